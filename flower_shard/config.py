@@ -1,0 +1,178 @@
+"""The run configuration: one typed dataclass, filled in one place, validated before any process starts.
+
+Every check raises :class:`ConfigError` with one line that names the problem and the fix; the
+CLI prints that line and exits with status 2, so a bad configuration never reaches torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SHARDING_MODES = ("fsdp", "hsdp")
+OUTER_OPTIMIZERS = ("fedavg", "nesterov")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line that says how to fix it."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a group runtime needs to train; the CLI and the Flower apps fill it in."""
+
+    groups: int = 2
+    """G: number of loosely coupled groups; G = 1 is plain FSDP/HSDP over all ranks (the baseline)."""
+    nproc_per_group: int = 2
+    """K: ranks per group; the world size is N = G x K."""
+    nnodes: int = 1
+    """Hosts the world spans; each host runs N / nnodes ranks (torchrun's --nnodes)."""
+    local_steps: int = 4
+    """T: inner optimizer steps per round; the groups synchronise once per round."""
+    rounds: int = 5
+    """Number of rounds (outer synchronisations)."""
+    sharding: str = "fsdp"
+    """Sharding inside a group: `fsdp` (1-D shard mesh) or `hsdp` (replicate x shard)."""
+    replicate: int = 1
+    """R: replicate degree for HSDP; the shard degree is S = K / R. Must be 1 for FSDP."""
+    outer: str = "fedavg"
+    """Outer optimizer: `fedavg` (the mean replaces the weights) or `nesterov` (DiLoCo)."""
+    outer_lr: float = 0.7
+    """Learning rate of the nesterov outer optimizer (DiLoCo uses 0.7)."""
+    outer_momentum: float = 0.9
+    """Momentum of the nesterov outer optimizer."""
+    sync_optimizer_state: bool = False
+    """Also average AdamW's first and second moments in the outer sync."""
+    model: str = "tiny"
+    """Model preset: `tiny`, `small` or `llama3.1-8b` (see flower_shard.models)."""
+    data: str | None = None
+    """Directory of text files to train on; None means the running Python's standard library."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
+    eval_fraction: float = 0.05
+    """Fraction of files held out for evaluation (chosen by a hash of the file's path)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 4
+    """Sequences per rank per step (B_local); a group's batch is B_local x K."""
+    lr: float = 1e-3
+    """Peak learning rate of the inner AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    warmup_frac: float = 0.1
+    """Fraction of all inner steps spent in linear warm-up."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm of each group to this value; 0 disables clipping."""
+    bf16: bool = False
+    """Compute in bfloat16 (FSDP2 MixedPrecisionPolicy); parameters and reductions stay float32."""
+    seed: int = 0
+    """Seed for model initialisation and data order; the same seed gives the same run."""
+    eval_every: int = 1
+    """Evaluate held-out perplexity every E rounds (and after the last round); 0 disables."""
+    eval_sequences: int = 64
+    """Held-out sequences per evaluation (the same set whatever the topology)."""
+    device: str = "auto"
+    """`cuda` (NCCL), `cpu` (gloo), or `auto`: CUDA when it is available."""
+    out: str = "runs/latest"
+    """Output directory: metrics.jsonl, config.json and the prepared data."""
+    quiet: bool = False
+    """Do not print one line per round."""
+
+    @property
+    def world_size(self) -> int:
+        """N = G x K."""
+        return self.groups * self.nproc_per_group
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps over the whole run."""
+        return self.rounds * self.local_steps
+
+    def validate(self) -> TrainConfig:
+        """Raise :class:`ConfigError` on the first wrong value; return self when all is well."""
+        from flower_shard.models import PRESETS  # local import: models pulls in transformers
+
+        _positive("--groups", self.groups)
+        _positive("--nproc-per-group", self.nproc_per_group)
+        _positive("--nnodes", self.nnodes)
+        _positive("--local-steps", self.local_steps)
+        _positive("--rounds", self.rounds)
+        _positive("--seq-len", self.seq_len)
+        _positive("--batch-size", self.batch_size)
+        _positive("--eval-sequences", self.eval_sequences)
+        _choice("--sharding", self.sharding, SHARDING_MODES)
+        _choice("--outer", self.outer, OUTER_OPTIMIZERS)
+        _choice("--device", self.device, DEVICES)
+        _choice("--model", self.model, tuple(PRESETS))
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
+                f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
+                "the same number of ranks"
+            )
+        # Topology owns the N = G x K and K = R x S checks and their messages.
+        from flower_shard.topology import Topology
+
+        Topology(self.world_size, self.groups, self.sharding, self.replicate)
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("--weight-decay and --grad-clip must be >= 0")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
+                f"{self.outer_lr} and {self.outer_momentum}"
+            )
+        if self.data is not None and not Path(self.data).is_dir():
+            raise ConfigError(
+                f"--data {self.data}: no such directory; point it at a directory of text files"
+            )
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ConfigError(
+                f"--tokenizer {self.tokenizer}: no such directory; give a local Hugging Face "
+                "tokenizer directory (with tokenizer.json), or leave it out for bytes"
+            )
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda: no CUDA device here; use --device cpu or auto")
+        return self
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write the configuration as JSON (what the ranks read)."""
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
+        """Read a configuration written by :meth:`to_json`; unknown keys are an error."""
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown configuration keys {unknown}")
+        return cls(**raw)
+
+
+def _positive(flag: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} {value!r} is unknown; choose one of {', '.join(choices)}")

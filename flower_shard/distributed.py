@@ -1,0 +1,39 @@
+"""Process-group start-up: NCCL on CUDA, gloo on CPU, chosen by device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` when asked or available, else CPU."""
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(preference: str = "auto") -> torch.device:
+    """Join the torch world started by torchrun and return this rank's device.
+
+    On CPU each rank gets cores / local ranks threads, since the ranks of a host share its cores
+    and oversubscription slows every rank down.
+    """
+    device = pick_device(preference)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

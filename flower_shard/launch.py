@@ -1,0 +1,103 @@
+"""Start the ranks of a run with torchrun on this host, supervise them, and stop them all.
+
+The launcher does everything that can fail cheaply before a single rank starts: it validates the
+configuration, prepares the corpus, and checks that the data fits the topology. Then it runs
+torchrun in its own session (process group); SIGINT/SIGTERM, or the launcher's own exit, stop
+that whole process tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.data import check_fits, prepare_corpus
+from flower_shard.metrics import METRICS_FILE
+from flower_shard.trainer import DATA_SUBDIR
+
+CONFIG_FILE = "config.json"
+
+
+def torchrun_command(
+    cfg: TrainConfig, config_path: str | Path, *, node_rank: int = 0,
+    rdzv_endpoint: str | None = None, module: str = "flower_shard.trainer",
+) -> list[str]:
+    """The torchrun command line that starts this host's N / nnodes ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           f"--nproc-per-node={cfg.world_size // cfg.nnodes}"]
+    if cfg.nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every host)")
+        cmd += [f"--nnodes={cfg.nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=flower-shard"]
+    return cmd + ["-m", module, str(config_path)]
+
+
+def worker_env(cfg: TrainConfig) -> dict[str, str]:
+    """Environment of the ranks: one share of the host's cores each, quiet libraries."""
+    env = dict(os.environ)
+    local = cfg.world_size // cfg.nnodes
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def prepare_run(cfg: TrainConfig) -> Path:
+    """Validate, prepare the corpus into OUT/data, write OUT/config.json; return its path."""
+    cfg.validate()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = prepare_corpus(out / DATA_SUBDIR, cfg.data, cfg.tokenizer, cfg.eval_fraction)
+    check_fits(info, cfg)
+    metrics = out / METRICS_FILE
+    if metrics.exists():  # a new run in the same directory starts a new log
+        metrics.unlink()
+    path = out / CONFIG_FILE
+    cfg.to_json(path)
+    return path
+
+
+def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` in its own session; on SIGINT/SIGTERM or any exit, stop its whole tree."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, _frame):
+        _stop_tree(proc)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        _stop_tree(proc)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # torchrun may have left workers behind: make sure the session is gone
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def launch_train(cfg: TrainConfig, *, node_rank: int = 0, rdzv_endpoint: str | None = None) -> int:
+    """Prepare the run and start this host's ranks; returns torchrun's exit status."""
+    config_path = prepare_run(cfg)
+    cmd = torchrun_command(cfg, config_path, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    return run_supervised(cmd, worker_env(cfg))

@@ -1,0 +1,81 @@
+"""Per-round metrics: one JSON object per line in ``OUT/metrics.jsonl``, and a readable line.
+
+Field names are shared constants, so the writers (group runtime, Flower server) and the readers
+(tests, benchmarks, plots) cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+ROUND = "round"
+STEP = "step"
+TOKENS = "tokens"
+TOKENS_PER_S = "tokens_per_s"
+TRAIN_LOSS = "train_loss"
+EVAL_PPL = "eval_ppl"
+EVAL_LOSS = "eval_loss"
+LR = "lr"
+ROUND_S = "round_s"
+COMPUTE_S = "compute_s"
+OUTER_SYNC_S = "outer_sync_s"
+OUTER_SYNC_BYTES = "outer_sync_bytes"
+OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
+
+REQUIRED_FIELDS = (
+    ROUND, STEP, TOKENS, TOKENS_PER_S, TRAIN_LOSS, LR, OUTER_SYNC_S, OUTER_SYNC_BYTES,
+)
+
+
+class MetricsLogger:
+    """Appends rounds to ``directory/metrics.jsonl`` (flushed each line, so a crash loses nothing)."""
+
+    def __init__(self, directory: str | os.PathLike, echo: bool = True, total_rounds: int = 0):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory, METRICS_FILE)
+        self.echo = echo
+        self.total_rounds = total_rounds
+        self._fh = open(self.path, "a")
+
+    def log(self, record: dict) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        if self.echo:
+            print(format_round(record, self.total_rounds), flush=True)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def format_round(r: dict, total_rounds: int = 0) -> str:
+    """``round 3/5 | step 12 | loss 4.123 | ppl 61.7 | 1,530 tok/s | lr 9.1e-04 | sync 12 ms 52 kB``"""
+    of = f"/{total_rounds}" if total_rounds else ""
+    parts = [f"round {r[ROUND]}{of}", f"step {r[STEP]}", f"loss {r[TRAIN_LOSS]:.4f}"]
+    if r.get(EVAL_PPL) is not None:
+        parts.append(f"ppl {r[EVAL_PPL]:.2f}")
+    parts += [f"{r[TOKENS_PER_S]:,.0f} tok/s", f"lr {r[LR]:.2e}"]
+    if r.get(OUTER_SYNC_BYTES):
+        parts.append(f"sync {1e3 * r[OUTER_SYNC_S]:.0f} ms {_human_bytes(r[OUTER_SYNC_BYTES])}")
+    return " | ".join(parts)
+
+
+def read_metrics(directory: str | os.PathLike) -> list[dict]:
+    path = Path(directory, METRICS_FILE)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def perplexity(mean_loss: float) -> float:
+    return math.exp(min(mean_loss, 700.0))
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -1,0 +1,162 @@
+"""The outer synchronisation between groups, once per round (every T inner steps).
+
+The math lives in :class:`OuterOptimizer`, which works on one flat float32 tensor: the same code
+runs on a rank's local shards here and on full arrays on a Flower server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly sharded) tensor that this rank holds, as a view (writes go through)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def pseudo_gradient(global_weights: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """DiLoCo's outer gradient: how far the groups' average moved away from the last global weights."""
+    return global_weights - mean
+
+
+class OuterOptimizer:
+    """Turns the groups' average into the next global weights.
+
+    ``fedavg``: the average replaces the weights (no state).
+
+    ``nesterov`` (DiLoCo): keeps the last global weights ``w``; with the groups' mean ``m``,
+    the pseudo-gradient ``w - m`` is fed to ``torch.optim.SGD(lr, momentum, nesterov=True)``
+    stepping ``w``. With lr 1 and momentum 0 it reduces to fedavg (up to rounding).
+
+    Parameters
+    ----------
+    initial
+        Flat float32 tensor of the weights at the start (the first global weights). Copied.
+    kind
+        ``fedavg`` or ``nesterov``.
+    lr, momentum
+        Outer learning rate and momentum (nesterov only).
+    """
+
+    def __init__(self, initial: torch.Tensor, kind: str = "fedavg", lr: float = 0.7,
+                 momentum: float = 0.9):
+        if kind not in ("fedavg", "nesterov"):
+            raise ValueError(f"outer optimizer {kind!r} is unknown; choose fedavg or nesterov")
+        self.kind = kind
+        self._sgd = None
+        if kind == "nesterov":
+            self.weights = nn.Parameter(initial.detach().clone().float())
+            self._sgd = torch.optim.SGD([self.weights], lr=lr, momentum=momentum, nesterov=True)
+
+    def step(self, mean: torch.Tensor) -> torch.Tensor:
+        """Return the new global weights given the groups' mean (a flat tensor, not modified)."""
+        if self._sgd is None:
+            return mean
+        self.weights.grad = pseudo_gradient(self.weights.detach(), mean)
+        self._sgd.step()
+        self.weights.grad = None
+        return self.weights.detach()
+
+    def state_dict(self) -> dict:
+        if self._sgd is None:
+            return {}
+        return {"weights": self.weights.detach().clone(), "sgd": self._sgd.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._sgd is not None:
+            with torch.no_grad():
+                self.weights.copy_(state["weights"])
+            self._sgd.load_state_dict(state["sgd"])
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    """Wall time of the sync, all-reduce and outer step included."""
+    payload_bytes: int
+    """Size of the flat buffer each rank contributes."""
+    sent_bytes: int
+    """Bytes each rank sends in a ring all-reduce of that buffer: 2 (G-1)/G x payload."""
+
+
+class OuterSync:
+    """Averages the G groups' models with ONE flat all-reduce of each rank's local shards.
+
+    Rank ``(g, s)`` holds shard ``s`` of group ``g``'s model, and ranks at the same mesh
+    coordinates in other groups hold the same shard; so averaging the models is an all-reduce of
+    the local shards over the ``group`` mesh dimension. Nothing is ever gathered: each rank moves
+    ``|model| / S`` values. All local shards (and, with ``sync_optimizer_state``, AdamW's two
+    moments) are packed into one flat float32 buffer, all-reduced (SUM) and divided by G, which
+    for G = 2 is bit-exactly the mean. The outer optimizer then maps the mean of the weights to
+    the new global weights, which are copied back into the shards in place.
+
+    On failure: a dead or hung peer makes the all-reduce raise after the process group's
+    timeout; the exception propagates and the round is lost (the weights are untouched until
+    the all-reduce has returned).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group_pg, groups: int,
+                 kind: str = "fedavg", lr: float = 0.7, momentum: float = 0.9,
+                 sync_optimizer_state: bool = False):
+        self.params = [local_view(p) for p in model.parameters()]
+        self.optimizer = optimizer
+        self.group_pg = group_pg
+        self.groups = groups
+        self.sync_optimizer_state = sync_optimizer_state
+        self.param_numel = sum(t.numel() for t in self.params)
+        with torch.no_grad():
+            initial = _flatten(self.params) if kind == "nesterov" else torch.empty(0)
+        self.outer = OuterOptimizer(initial, kind, lr, momentum)
+
+    def _moments(self) -> list[torch.Tensor]:
+        """AdamW's first and second moments, as local views (empty before the first step)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                out += [local_view(state[k]) for k in ("exp_avg", "exp_avg_sq") if k in state]
+        return out
+
+    @torch.no_grad()
+    def sync(self) -> SyncStats:
+        start = time.perf_counter()
+        tensors = self.params + (self._moments() if self.sync_optimizer_state else [])
+        flat = _flatten(tensors)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group_pg)
+        flat.div_(self.groups)
+        new_weights = self.outer.step(flat[: self.param_numel])
+        _unflatten_into(new_weights, self.params)
+        if len(tensors) > len(self.params):
+            _unflatten_into(flat[self.param_numel :], tensors[len(self.params) :])
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        payload = flat.numel() * flat.element_size()
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            payload_bytes=payload,
+            sent_bytes=2 * (self.groups - 1) * payload // self.groups,
+        )
+
+    def state_dict(self) -> dict:
+        return {"outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outer.load_state_dict(state["outer"])
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,1 @@
+"""Flower ServerApp strategies (FL+FSDP rounds on a Flower server)."""

@@ -1,0 +1,227 @@
+"""The group runtime: what every rank runs, ``train`` -> ``train_round`` -> ``train_step``.
+
+Started by torchrun (``python -m flower_shard.trainer OUT/config.json``); the launcher has
+validated the configuration and prepared the corpus in ``OUT/data`` before any rank starts.
+
+A round is T inner steps of FSDP2/HSDP inside each group, then the outer sync over the
+``group`` mesh dimension (skipped for G = 1, which is the plain FSDP/HSDP baseline), then, every
+E rounds, held-out perplexity of the synchronised model.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flower_shard import metrics as M
+from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.data import CorpusInfo, eval_shard, rank_batches
+from flower_shard.distributed import init_distributed, shutdown
+from flower_shard.models import build_model, is_meta, materialize
+from flower_shard.outer_sync import OuterSync
+from flower_shard.parallelize import parallelize
+from flower_shard.schedule import warmup_cosine
+from flower_shard.topology import Topology
+
+DATA_SUBDIR = "data"
+
+
+def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+    """Next-token cross-entropy of a causal LM, computed in float32."""
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction
+    )
+
+
+class GroupTrainer:
+    """One rank of an FL+FSDP / FL+HSDP run: its model shards, inner optimizer, data and outer sync.
+
+    Each rank builds the same seeded model, shards it over its group's sub-mesh (so every group
+    starts from identical weights), and trains on its own disjoint part of the corpus. The
+    inner optimizer is AdamW with warm-up + cosine; its state never leaves the rank. Every T
+    steps :class:`~flower_shard.outer_sync.OuterSync` averages the groups.
+
+    On failure: any exception on one rank aborts that rank; torchrun then stops the whole
+    world (the run is one torch job; loose coupling across failures is the Flower transport's job).
+    """
+
+    def __init__(self, cfg: TrainConfig, data_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.device = init_distributed(cfg.device)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        if world != cfg.world_size:
+            raise ConfigError(
+                f"torchrun started {world} ranks but the configuration needs N = G x K = "
+                f"{cfg.world_size}; launch with --nproc-per-node / --nnodes matching it"
+            )
+        self.topology = Topology(world, cfg.groups, cfg.sharding, cfg.replicate)
+        self.mesh = self.topology.build_mesh(self.device.type)
+        self.group = self.topology.group_of(self.rank)
+
+        data_dir = Path(data_dir or Path(cfg.out, DATA_SUBDIR))
+        self.corpus = CorpusInfo.load(data_dir)
+        self.batches = rank_batches(
+            data_dir, cfg.seq_len, cfg.batch_size, cfg.groups, self.topology.group_size,
+            self.group, self.topology.rank_in_group(self.rank), cfg.seed,
+        )
+        self.eval_blocks = eval_shard(
+            data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, world
+        )
+        self.eval_total = dist_sum(len(self.eval_blocks), self.device)
+
+        self.model = build_model(cfg.model, self.corpus.vocab_size, cfg.seed, cfg.seq_len)
+        parallelize(self.model, self.topology.sharding_mesh(self.mesh), bf16=cfg.bf16)
+        if is_meta(self.model):
+            materialize(self.model, self.device, cfg.seed)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+            weight_decay=cfg.weight_decay,
+        )
+        warmup = int(cfg.warmup_frac * cfg.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: warmup_cosine(step, cfg.total_steps, warmup, cfg.min_lr_ratio),
+        )
+        self.outer = None
+        if cfg.groups > 1:
+            self.outer = OuterSync(
+                self.model, self.optimizer, self.mesh.get_group("group"), cfg.groups,
+                kind=cfg.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                sync_optimizer_state=cfg.sync_optimizer_state,
+            )
+        self.step = 0
+        self.round = 0
+        self.tokens = 0
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def train(self) -> None:
+        cfg = self.cfg
+        logger = None
+        if self.rank == 0:
+            logger = M.MetricsLogger(cfg.out, echo=not cfg.quiet, total_rounds=cfg.rounds)
+            if not cfg.quiet:
+                print(f"flower-shard: {self.topology.describe()}, G={cfg.groups} "
+                      f"K={self.topology.group_size} T={cfg.local_steps} outer={cfg.outer} "
+                      f"model={cfg.model} on {self.device.type}", flush=True)
+        for _ in range(cfg.rounds):
+            record = self.train_round()
+            if cfg.eval_every and (self.round % cfg.eval_every == 0 or self.round == cfg.rounds):
+                eval_loss = self.evaluate()
+                record[M.EVAL_LOSS] = eval_loss
+                record[M.EVAL_PPL] = M.perplexity(eval_loss)
+            if logger:
+                logger.log(record)
+        if logger:
+            logger.close()
+
+    def train_round(self) -> dict:
+        """T inner steps, then the outer sync; returns the round's metrics."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(cfg.local_steps):
+            inputs, targets = next(self.batches)
+            loss_sum += self.train_step(inputs.to(self.device), targets.to(self.device))
+        compute_s = _elapsed(start, self.device)
+        stats = self.outer.sync() if self.outer else None
+        round_s = time.perf_counter() - start
+        self.round += 1
+        round_tokens = cfg.local_steps * cfg.batch_size * cfg.seq_len * cfg.world_size
+        self.tokens += round_tokens
+        mean_loss = dist_sum(loss_sum, self.device) / (cfg.local_steps * cfg.world_size)
+        return {
+            M.ROUND: self.round,
+            M.STEP: self.step,
+            M.TOKENS: self.tokens,
+            M.TOKENS_PER_S: round_tokens / round_s,
+            M.TRAIN_LOSS: mean_loss,
+            M.LR: self.scheduler.get_last_lr()[0],
+            M.ROUND_S: round_s,
+            M.COMPUTE_S: compute_s,
+            M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
+            M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
+            M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
+        }
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One inner AdamW step on this rank's batch; returns the (detached) loss."""
+        self.model.train()
+        loss = lm_loss(self.model, inputs, targets)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over the fixed evaluation set, over all ranks.
+
+        Every rank of a group must run the same number of forwards (FSDP gathers inside them),
+        so ranks with fewer sequences pad with zero-weighted rows.
+        """
+        cfg = self.cfg
+        self.model.eval()
+        per_rank = math.ceil(self.eval_total / cfg.world_size)
+        n_batches = math.ceil(per_rank / cfg.batch_size)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        blocks = torch.from_numpy(self.eval_blocks.astype("int64"))
+        for b in range(n_batches):
+            rows = blocks[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+            real = len(rows)
+            if real < cfg.batch_size:  # pad (the rows' values do not matter, their weight is 0)
+                pad = torch.zeros(cfg.batch_size - real, cfg.seq_len + 1, dtype=torch.int64)
+                rows = torch.cat([rows, pad])
+            rows = rows.to(self.device)
+            losses = lm_loss(self.model, rows[:, :-1], rows[:, 1:], reduction="none")
+            losses = losses.view(cfg.batch_size, cfg.seq_len)[:real]
+            total[0] += losses.double().sum()
+            total[1] += losses.numel()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def close(self) -> None:
+        shutdown()
+
+
+def dist_sum(value, device: torch.device) -> float:
+    """Sum a scalar over the whole world."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _elapsed(start: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m flower_shard.trainer OUT/config.json (started by torchrun)",
+              file=sys.stderr)
+        return 2
+    cfg = TrainConfig.from_json(argv[0])
+    trainer = GroupTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
