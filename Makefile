@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)

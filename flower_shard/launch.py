@@ -64,9 +64,14 @@ def prepare_run(cfg: TrainConfig) -> Path:
     return path
 
 
-def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` in its own session; on SIGINT/SIGTERM or any exit, stop its whole tree."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+def run_supervised(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None, **popen
+) -> int:
+    """Run ``cmd`` in its own session; on SIGINT/SIGTERM, timeout or any exit, stop its whole tree.
+
+    Returns the exit status, or 124 (as timeout(1) does) when ``timeout`` seconds passed.
+    """
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
 
     def forward(signum, _frame):
         _stop_tree(proc)
@@ -74,7 +79,9 @@ def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124
     finally:
         _stop_tree(proc)
         for s, handler in previous.items():

@@ -68,17 +68,19 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def build_model(
-    preset: str, vocab_size: int | None = None, seed: int = 0, max_positions: int | None = None
+    preset: str, vocab_size: int | None = None, seed: int = 0, max_positions: int | None = None,
+    meta: bool | None = None,
 ) -> nn.Module:
     """Build a preset with random weights (seeded), or on the meta device for large presets.
 
     Every rank of every group calls this with the same seed, so all groups start identical.
+    ``meta`` overrides the preset's choice of building on the meta device.
     """
     from transformers import LlamaForCausalLM
 
     spec = PRESETS[preset]
     config = spec.llama_config(vocab_size, max_positions)
-    if spec.meta_init:
+    if spec.meta_init if meta is None else meta:
         with torch.device("meta"):
             return LlamaForCausalLM(config)
     torch.manual_seed(seed)

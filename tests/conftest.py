@@ -1,0 +1,37 @@
+"""Shared fixtures: a prepared corpus (once per session) and a torchrun runner that cleans up."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from flower_shard.config import TrainConfig
+from flower_shard.data import prepare_corpus
+from flower_shard.launch import run_supervised, worker_env
+
+DIST = Path(__file__).parent / "dist"
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """The default corpus (the standard library's source), tokenised once for the whole session."""
+    out = tmp_path_factory.mktemp("corpus")
+    prepare_corpus(out)
+    return out
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> None:
+    """Run tests/dist/SCRIPT under torchrun with NPROC ranks; fail with its output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(DIST / script), *map(str, args)]
+    env = worker_env(TrainConfig(groups=1, nproc_per_group=nproc))
+    env["PYTHONPATH"] = os.pathsep.join([str(DIST), env.get("PYTHONPATH", "")])
+    log = Path(args[-1] if args else ".") / f"{Path(script).stem}.log"
+    with open(log, "w") as fh:
+        rc = run_supervised(cmd, env, timeout=timeout, stdout=fh, stderr=fh)
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        pytest.fail(f"{script} exited {rc} (124 = timed out):\n{tail}")

@@ -1,0 +1,88 @@
+"""The outer sync on real torchrun process groups (gloo): exact averages, exact Nesterov steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import torchrun
+
+from flower_shard.config import TrainConfig
+from flower_shard.models import build_model
+
+GROUPS = 2
+
+
+def run_sync(tmp_path, corpus_dir, **overrides):
+    cfg = TrainConfig(groups=GROUPS, local_steps=2, rounds=2, seq_len=32, batch_size=2,
+                      eval_every=0, **overrides)
+    cfg.validate().to_json(tmp_path / "config.json")
+    torchrun("outer_sync_check.py", cfg.world_size, tmp_path / "config.json", corpus_dir, tmp_path)
+
+    def load(name):
+        return [torch.load(tmp_path / f"{name}_g{g}.pt") for g in range(GROUPS)]
+
+    return cfg, load
+
+
+def assert_fedavg(cfg, load):
+    for r in range(cfg.rounds):
+        pre, post = load(f"pre_r{r}"), load(f"post_r{r}")
+        names = [n for n in pre[0] if not n.startswith("_")]
+        assert names, "nothing was gathered"
+        # The groups really trained apart, or the test proves nothing.
+        assert any(not torch.equal(pre[0][n], pre[1][n]) for n in names)
+        for n in names:
+            expected = (pre[0][n] + pre[1][n]) / 2
+            for g in range(GROUPS):
+                assert torch.equal(post[g][n], expected), f"round {r} group {g}: {n} is not the mean"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(dict(nproc_per_group=2, sync_optimizer_state=True), id="fsdp-with-moments"),
+        pytest.param(dict(nproc_per_group=4, sharding="hsdp", replicate=2), id="hsdp-2x2"),
+    ],
+)
+def test_fedavg_sync_is_the_exact_mean(tmp_path, corpus_dir, overrides):
+    cfg, load = run_sync(tmp_path, corpus_dir, outer="fedavg", **overrides)
+    assert_fedavg(cfg, load)
+    if cfg.sync_optimizer_state:
+        assert any(n.endswith("exp_avg_sq") for n in load("post_r0")[0])
+    # One flat buffer of the rank's local shards: |model| / S values (+ 2 moments), never more.
+    post = load("post_r0")[0]
+    params = sum(t.numel() for n, t in post.items() if not n.startswith("_") and "exp_avg" not in n)
+    copies = 3 if cfg.sync_optimizer_state else 1
+    s = cfg.nproc_per_group // cfg.replicate
+    assert int(post["_payload_bytes"]) <= 4 * copies * (params // s + 1024)
+
+    # A model built on the meta device and materialised after sharding starts equal in all groups.
+    meta = load("meta")
+    reference = build_model("tiny", 257, seed=0)
+    for n, t in meta[0].items():
+        if n != "_loss":  # each group's loss is on its own batch
+            assert torch.equal(t, meta[1][n]), n
+    assert torch.equal(meta[0]["_inv_freq"], reference.model.rotary_emb.inv_freq)
+    assert torch.isfinite(meta[0]["_loss"]) and meta[0]["_loss"] < 7  # ~ln(257) at init
+    std = meta[0]["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert abs(std - reference.config.initializer_range) < 0.002
+
+
+def test_nesterov_matches_plain_torch_reference(tmp_path, corpus_dir):
+    cfg, load = run_sync(tmp_path, corpus_dir, outer="nesterov", nproc_per_group=2)
+    init = load("init")[0]
+    names = [n for n in init if not n.startswith("_")]
+    # Reference on full tensors, one SGD per tensor: w <- SGD_nesterov(w, grad = w - mean).
+    weights = {n: torch.nn.Parameter(init[n].clone()) for n in names}
+    sgd = torch.optim.SGD(weights.values(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                          nesterov=True, foreach=False)
+    for r in range(cfg.rounds):
+        pre, post = load(f"pre_r{r}"), load(f"post_r{r}")
+        for n in names:
+            weights[n].grad = weights[n].detach() - (pre[0][n] + pre[1][n]) / 2
+        sgd.step()
+        for n in names:
+            for g in range(GROUPS):
+                assert torch.equal(post[g][n], weights[n].detach()), f"round {r} group {g}: {n}"
+        # The outer step is not a plain average (else the test could not tell them apart).
+        assert not torch.equal(post[0][names[0]], (pre[0][names[0]] + pre[1][names[0]]) / 2)
