@@ -23,7 +23,6 @@ import sys
 from flower_shard.config import ConfigError, TrainConfig
 
 
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not usage + line
         self.exit(2, f"flower-shard: error: {message}\n")
@@ -35,8 +34,12 @@ def field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -48,16 +51,36 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> 
         default = getattr(defaults, f.name)
         help_ = docs.get(f.name, "")
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_)
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_,
+            )
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, metavar=f.name.upper(),
-                                help=f"{help_} (default: {default})")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=default,
+                metavar=f.name.upper(),
+                help=f"{help_} (default: {default})",
+            )
 
 
-DEMO = TrainConfig(groups=2, nproc_per_group=2, local_steps=4, rounds=6, model="tiny",
-                   seq_len=128, batch_size=4, lr=3e-3, out="runs/demo")
+DEMO = TrainConfig(
+    groups=2,
+    nproc_per_group=2,
+    local_steps=4,
+    rounds=6,
+    model="tiny",
+    seq_len=128,
+    batch_size=4,
+    lr=3e-3,
+    out="runs/demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         add_config_flags(p, defaults)
         p.add_argument("--node-rank", type=int, default=0, help="this host's index (multi-node)")
-        p.add_argument("--rdzv-endpoint", default=None,
-                       help="HOST:PORT of the torchrun rendezvous, the same on every host")
+        p.add_argument(
+            "--rdzv-endpoint",
+            default=None,
+            help="HOST:PORT of the torchrun rendezvous, the same on every host",
+        )
     return parser
 
 

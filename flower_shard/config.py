@@ -1,4 +1,4 @@
-"""The run configuration: one typed dataclass, filled in one place, validated before any process starts.
+"""The run configuration: one typed dataclass, filled in one place, validated before launch.
 
 Every check raises :class:`ConfigError` with one line that names the problem and the fix; the
 CLI prints that line and exits with status 2, so a bad configuration never reaches torchrun.
@@ -26,7 +26,7 @@ class TrainConfig:
     """Everything a group runtime needs to train; the CLI and the Flower apps fill it in."""
 
     groups: int = 2
-    """G: number of loosely coupled groups; G = 1 is plain FSDP/HSDP over all ranks (the baseline)."""
+    """G: number of loosely coupled groups; G = 1 is plain FSDP/HSDP over all ranks (baseline)."""
     nproc_per_group: int = 2
     """K: ranks per group; the world size is N = G x K."""
     nnodes: int = 1

@@ -1,4 +1,4 @@
-"""Training data: a corpus of text files, tokenised once, packed into blocks, partitioned by group and rank.
+"""Training data: text files, tokenised once, packed into blocks, partitioned by group and rank.
 
 The built-in corpus is the source of the running Python's standard library (every machine has
 it, nothing is downloaded); ``--data DIR`` takes a directory of text files instead.
@@ -49,11 +49,15 @@ def list_documents(source: str | os.PathLike | None) -> tuple[Path, list[str]]:
     """
     root = stdlib_dir() if source is None else Path(source)
     if not root.is_dir():
-        raise ConfigError(f"--data {root}: no such directory; point it at a directory of text files")
+        raise ConfigError(
+            f"--data {root}: no such directory; point it at a directory of text files"
+        )
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d for d in dirnames if not d.startswith(".") and d not in ("site-packages", "__pycache__")
+            d
+            for d in dirnames
+            if not d.startswith(".") and d not in ("site-packages", "__pycache__")
         )
         for name in filenames:
             if name.startswith(".") or (source is None and not name.endswith(".py")):
@@ -173,9 +177,14 @@ def prepare_corpus(
         os.replace(tmp, out / name)
         sizes[held_out] = int(tokens.size)
     info = CorpusInfo(
-        directory=str(out), vocab_size=tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.name,
-        train_tokens=sizes[False], eval_tokens=sizes[True],
-        train_files=counts[False], eval_files=counts[True],
+        directory=str(out),
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        tokenizer=tok.name,
+        train_tokens=sizes[False],
+        eval_tokens=sizes[True],
+        train_files=counts[False],
+        eval_files=counts[True],
     )
     (out / META_FILE).write_text(json.dumps(info.__dict__, indent=2) + "\n")
     stamp.write_text(fingerprint.hexdigest())
@@ -253,8 +262,14 @@ class BatchIterator:
 
 
 def rank_batches(
-    directory: str | os.PathLike, seq_len: int, batch_size: int, groups: int, group_size: int,
-    group: int, rank_in_group: int, seed: int,
+    directory: str | os.PathLike,
+    seq_len: int,
+    batch_size: int,
+    groups: int,
+    group_size: int,
+    group: int,
+    rank_in_group: int,
+    seed: int,
 ) -> BatchIterator:
     """The training batches of one rank."""
     blocks = load_blocks(directory, "train", seq_len)

@@ -30,7 +30,9 @@ def init_distributed(preference: str = "auto") -> torch.device:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend, device_id=device if device.type == "cuda" else None
+        )
     return device
 
 

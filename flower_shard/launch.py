@@ -8,6 +8,7 @@ that whole process tree.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,19 +24,34 @@ CONFIG_FILE = "config.json"
 
 
 def torchrun_command(
-    cfg: TrainConfig, config_path: str | Path, *, node_rank: int = 0,
-    rdzv_endpoint: str | None = None, module: str = "flower_shard.trainer",
+    cfg: TrainConfig,
+    config_path: str | Path,
+    *,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    module: str = "flower_shard.trainer",
 ) -> list[str]:
     """The torchrun command line that starts this host's N / nnodes ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           f"--nproc-per-node={cfg.world_size // cfg.nnodes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={cfg.world_size // cfg.nnodes}",
+    ]
     if cfg.nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
         if rdzv_endpoint is None:
-            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every host)")
-        cmd += [f"--nnodes={cfg.nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=flower-shard"]
+            raise ConfigError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every host)"
+            )
+        cmd += [
+            f"--nnodes={cfg.nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            "--rdzv-id=flower-shard",
+        ]
     return cmd + ["-m", module, str(config_path)]
 
 
@@ -93,14 +109,11 @@ def _stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:  # torchrun may have left workers behind: make sure the session is gone
+    # torchrun may have left workers behind: make sure the session is gone.
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def launch_train(cfg: TrainConfig, *, node_rank: int = 0, rdzv_endpoint: str | None = None) -> int:

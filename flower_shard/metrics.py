@@ -28,12 +28,19 @@ OUTER_SYNC_BYTES = "outer_sync_bytes"
 OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
 
 REQUIRED_FIELDS = (
-    ROUND, STEP, TOKENS, TOKENS_PER_S, TRAIN_LOSS, LR, OUTER_SYNC_S, OUTER_SYNC_BYTES,
+    ROUND,
+    STEP,
+    TOKENS,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    LR,
+    OUTER_SYNC_S,
+    OUTER_SYNC_BYTES,
 )
 
 
 class MetricsLogger:
-    """Appends rounds to ``directory/metrics.jsonl`` (flushed each line, so a crash loses nothing)."""
+    """Appends rounds to ``directory/metrics.jsonl``, flushed each line: a crash loses nothing."""
 
     def __init__(self, directory: str | os.PathLike, echo: bool = True, total_rounds: int = 0):
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -53,7 +60,7 @@ class MetricsLogger:
 
 
 def format_round(r: dict, total_rounds: int = 0) -> str:
-    """``round 3/5 | step 12 | loss 4.123 | ppl 61.7 | 1,530 tok/s | lr 9.1e-04 | sync 12 ms 52 kB``"""
+    """One readable line: ``round 3/5 | step 12 | loss 4.123 | ppl 61.7 | 1,530 tok/s | ...``"""
     of = f"/{total_rounds}" if total_rounds else ""
     parts = [f"round {r[ROUND]}{of}", f"step {r[STEP]}", f"loss {r[TRAIN_LOSS]:.4f}"]
     if r.get(EVAL_PPL) is not None:

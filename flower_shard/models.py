@@ -1,4 +1,4 @@
-"""Model presets: Llama-architecture decoders from a ``transformers`` LlamaConfig, randomly initialised.
+"""Model presets: Llama decoders from a ``transformers`` LlamaConfig, randomly initialised.
 
 Nothing is downloaded: the architecture comes from the preset, the weights from the seed. Large
 presets are built on the meta device and materialised only after sharding (see
@@ -60,15 +60,26 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", 384, 8, 6, 2, 1024, BYTE_VOCAB, max_positions=1024),
         # The real Llama 3.1 8B shape (8.03B parameters).
         ModelPreset(
-            "llama3.1-8b", 4096, 32, 32, 8, 14336, 128256,
-            rope_theta=500000.0, max_positions=131072, meta_init=True,
+            "llama3.1-8b",
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            128256,
+            rope_theta=500000.0,
+            max_positions=131072,
+            meta_init=True,
         ),
     )
 }
 
 
 def build_model(
-    preset: str, vocab_size: int | None = None, seed: int = 0, max_positions: int | None = None,
+    preset: str,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    max_positions: int | None = None,
     meta: bool | None = None,
 ) -> nn.Module:
     """Build a preset with random weights (seeded), or on the meta device for large presets.

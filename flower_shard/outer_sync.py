@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly sharded) tensor that this rank holds, as a view (writes go through)."""
+    """The part of a (maybe sharded) tensor that this rank holds, as a view: writes go through."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def pseudo_gradient(global_weights: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """DiLoCo's outer gradient: how far the groups' average moved away from the last global weights."""
+    """DiLoCo's outer gradient: how far the groups' mean moved from the last global weights."""
     return global_weights - mean
 
 
@@ -44,15 +44,19 @@ class OuterOptimizer:
         Outer learning rate and momentum (nesterov only).
     """
 
-    def __init__(self, initial: torch.Tensor, kind: str = "fedavg", lr: float = 0.7,
-                 momentum: float = 0.9):
+    def __init__(
+        self, initial: torch.Tensor, kind: str = "fedavg", lr: float = 0.7, momentum: float = 0.9
+    ):
         if kind not in ("fedavg", "nesterov"):
             raise ValueError(f"outer optimizer {kind!r} is unknown; choose fedavg or nesterov")
         self.kind = kind
         self._sgd = None
         if kind == "nesterov":
             self.weights = nn.Parameter(initial.detach().clone().float())
-            self._sgd = torch.optim.SGD([self.weights], lr=lr, momentum=momentum, nesterov=True)
+            # torch refuses nesterov without momentum; momentum 0 is plain SGD (the same update).
+            self._sgd = torch.optim.SGD(
+                [self.weights], lr=lr, momentum=momentum, nesterov=momentum > 0
+            )
 
     def step(self, mean: torch.Tensor) -> torch.Tensor:
         """Return the new global weights given the groups' mean (a flat tensor, not modified)."""
@@ -101,9 +105,17 @@ class OuterSync:
     the all-reduce has returned).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group_pg, groups: int,
-                 kind: str = "fedavg", lr: float = 0.7, momentum: float = 0.9,
-                 sync_optimizer_state: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group_pg,
+        groups: int,
+        kind: str = "fedavg",
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        sync_optimizer_state: bool = False,
+    ):
         self.params = [local_view(p) for p in model.parameters()]
         self.optimizer = optimizer
         self.group_pg = group_pg

@@ -23,7 +23,8 @@ def parallelize(
     model
         A ``LlamaForCausalLM`` (real or on the meta device).
     mesh
-        The group's sharding mesh: ``mesh["shard"]`` (FSDP) or ``mesh["replicate", "shard"]`` (HSDP).
+        The group's sharding mesh: ``mesh["shard"]`` (FSDP) or ``mesh["replicate", "shard"]``
+        (HSDP).
     bf16
         Compute in bfloat16; the sharded parameters and the gradient reduction stay float32.
     reshard_after_forward

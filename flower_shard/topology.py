@@ -82,7 +82,7 @@ class Topology:
         return rank % self.group_size
 
     def build_mesh(self, device_type: str):
-        """Create the named DeviceMesh over the current world (needs an initialised process group)."""
+        """Create the named DeviceMesh over the current world (the process group must be up)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)

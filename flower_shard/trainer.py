@@ -68,12 +68,16 @@ class GroupTrainer:
         data_dir = Path(data_dir or Path(cfg.out, DATA_SUBDIR))
         self.corpus = CorpusInfo.load(data_dir)
         self.batches = rank_batches(
-            data_dir, cfg.seq_len, cfg.batch_size, cfg.groups, self.topology.group_size,
-            self.group, self.topology.rank_in_group(self.rank), cfg.seed,
+            data_dir,
+            cfg.seq_len,
+            cfg.batch_size,
+            cfg.groups,
+            self.topology.group_size,
+            self.group,
+            self.topology.rank_in_group(self.rank),
+            cfg.seed,
         )
-        self.eval_blocks = eval_shard(
-            data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, world
-        )
+        self.eval_blocks = eval_shard(data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, world)
         self.eval_total = dist_sum(len(self.eval_blocks), self.device)
 
         self.model = build_model(cfg.model, self.corpus.vocab_size, cfg.seed, cfg.seq_len)
@@ -81,7 +85,10 @@ class GroupTrainer:
         if is_meta(self.model):
             materialize(self.model, self.device, cfg.seed)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
             weight_decay=cfg.weight_decay,
         )
         warmup = int(cfg.warmup_frac * cfg.total_steps)
@@ -92,8 +99,13 @@ class GroupTrainer:
         self.outer = None
         if cfg.groups > 1:
             self.outer = OuterSync(
-                self.model, self.optimizer, self.mesh.get_group("group"), cfg.groups,
-                kind=cfg.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                self.model,
+                self.optimizer,
+                self.mesh.get_group("group"),
+                cfg.groups,
+                kind=cfg.outer,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
                 sync_optimizer_state=cfg.sync_optimizer_state,
             )
         self.step = 0
@@ -108,9 +120,12 @@ class GroupTrainer:
         if self.rank == 0:
             logger = M.MetricsLogger(cfg.out, echo=not cfg.quiet, total_rounds=cfg.rounds)
             if not cfg.quiet:
-                print(f"flower-shard: {self.topology.describe()}, G={cfg.groups} "
-                      f"K={self.topology.group_size} T={cfg.local_steps} outer={cfg.outer} "
-                      f"model={cfg.model} on {self.device.type}", flush=True)
+                print(
+                    f"flower-shard: {self.topology.describe()}, G={cfg.groups} "
+                    f"K={self.topology.group_size} T={cfg.local_steps} outer={cfg.outer} "
+                    f"model={cfg.model} on {self.device.type}",
+                    flush=True,
+                )
         for _ in range(cfg.rounds):
             record = self.train_round()
             if cfg.eval_every and (self.round % cfg.eval_every == 0 or self.round == cfg.rounds):
@@ -211,8 +226,10 @@ def _elapsed(start: float, device: torch.device) -> float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m flower_shard.trainer OUT/config.json (started by torchrun)",
-              file=sys.stderr)
+        print(
+            "usage: python -m flower_shard.trainer OUT/config.json (started by torchrun)",
+            file=sys.stderr,
+        )
         return 2
     cfg = TrainConfig.from_json(argv[0])
     trainer = GroupTrainer(cfg)

@@ -25,8 +25,15 @@ def corpus_dir(tmp_path_factory) -> Path:
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> None:
     """Run tests/dist/SCRIPT under torchrun with NPROC ranks; fail with its output on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(DIST / script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(DIST / script),
+        *map(str, args),
+    ]
     env = worker_env(TrainConfig(groups=1, nproc_per_group=nproc))
     env["PYTHONPATH"] = os.pathsep.join([str(DIST), env.get("PYTHONPATH", "")])
     log = Path(args[-1] if args else ".") / f"{Path(script).stem}.log"

@@ -13,8 +13,16 @@ SINGLE_PROCESS_RTOL = 1e-5  # measured: 1e-7
 
 
 def test_g1_equals_plain_fsdp2_and_single_process(tmp_path, corpus_dir):
-    cfg = TrainConfig(groups=1, nproc_per_group=4, local_steps=3, rounds=2, seq_len=32,
-                      batch_size=2, lr=3e-3, eval_every=0)
+    cfg = TrainConfig(
+        groups=1,
+        nproc_per_group=4,
+        local_steps=3,
+        rounds=2,
+        seq_len=32,
+        batch_size=2,
+        lr=3e-3,
+        eval_every=0,
+    )
     cfg.validate().to_json(tmp_path / "config.json")
     torchrun("baseline_check.py", cfg.world_size, tmp_path / "config.json", corpus_dir, tmp_path)
     r = torch.load(tmp_path / "baseline.pt")
@@ -26,7 +34,8 @@ def test_g1_equals_plain_fsdp2_and_single_process(tmp_path, corpus_dir):
     # The model learned (otherwise equal losses would prove little).
     assert r["runtime"][-1] < r["runtime"][0]
 
-    torch.testing.assert_close(torch.tensor(r["runtime"]), torch.tensor(r["single"]),
-                               rtol=SINGLE_PROCESS_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(r["runtime"]), torch.tensor(r["single"]), rtol=SINGLE_PROCESS_RTOL, atol=0
+    )
     for name, t in r["single_final"].items():
         torch.testing.assert_close(r["runtime_final"][name], t, rtol=1e-3, atol=2e-5, msg=name)

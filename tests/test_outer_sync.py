@@ -13,8 +13,9 @@ GROUPS = 2
 
 
 def run_sync(tmp_path, corpus_dir, **overrides):
-    cfg = TrainConfig(groups=GROUPS, local_steps=2, rounds=2, seq_len=32, batch_size=2,
-                      eval_every=0, **overrides)
+    cfg = TrainConfig(
+        groups=GROUPS, local_steps=2, rounds=2, seq_len=32, batch_size=2, eval_every=0, **overrides
+    )
     cfg.validate().to_json(tmp_path / "config.json")
     torchrun("outer_sync_check.py", cfg.world_size, tmp_path / "config.json", corpus_dir, tmp_path)
 
@@ -34,7 +35,9 @@ def assert_fedavg(cfg, load):
         for n in names:
             expected = (pre[0][n] + pre[1][n]) / 2
             for g in range(GROUPS):
-                assert torch.equal(post[g][n], expected), f"round {r} group {g}: {n} is not the mean"
+                assert torch.equal(post[g][n], expected), (
+                    f"round {r} group {g}: {n} is not the mean"
+                )
 
 
 @pytest.mark.parametrize(
@@ -74,8 +77,9 @@ def test_nesterov_matches_plain_torch_reference(tmp_path, corpus_dir):
     names = [n for n in init if not n.startswith("_")]
     # Reference on full tensors, one SGD per tensor: w <- SGD_nesterov(w, grad = w - mean).
     weights = {n: torch.nn.Parameter(init[n].clone()) for n in names}
-    sgd = torch.optim.SGD(weights.values(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                          nesterov=True, foreach=False)
+    sgd = torch.optim.SGD(
+        weights.values(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True, foreach=False
+    )
     for r in range(cfg.rounds):
         pre, post = load(f"pre_r{r}"), load(f"post_r{r}")
         for n in names:

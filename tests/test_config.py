@@ -1,0 +1,90 @@
+"""Bad configurations fail before any process starts, with one line that names the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.topology import Topology
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(world_size=6, groups=4), "not divisible by --groups 4"),
+        (
+            dict(world_size=8, groups=2, sharding="hsdp", replicate=3),
+            "does not divide the group size K = 4",
+        ),
+        (dict(world_size=4, groups=2, sharding="fsdp", replicate=2), "needs --sharding hsdp"),
+        (dict(world_size=4, groups=2, sharding="zero"), "unknown"),
+    ],
+)
+def test_topology_rejects_mismatches(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Topology(**kwargs)
+
+
+def test_topology_degrees_and_membership():
+    t = Topology(world_size=12, groups=3, sharding="hsdp", replicate=2)
+    assert (t.group_size, t.shard_degree) == (4, 2)
+    assert t.mesh_shape == (3, 2, 2) and t.mesh_dim_names == ("group", "replicate", "shard")
+    assert [t.group_of(r) for r in range(12)] == [0] * 4 + [1] * 4 + [2] * 4
+    assert Topology(4, 1).mesh_shape == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(local_steps=0), "--local-steps must be a positive integer"),
+        (dict(groups=0), "--groups must be a positive integer"),
+        (dict(model="gpt5"), "--model 'gpt5' is unknown"),
+        (dict(data="/nonexistent/corpus"), "--data /nonexistent/corpus: no such directory"),
+        (dict(outer="adam"), "--outer 'adam' is unknown"),
+        (dict(nnodes=3), "--nnodes 3 does not divide the world size"),
+        (dict(lr=-1.0), "--lr must be > 0"),
+        (dict(tokenizer="/nonexistent/tok"), "--tokenizer /nonexistent/tok"),
+        (dict(nproc_per_group=2, sharding="hsdp", replicate=4), "--replicate 4 does not divide"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs).validate()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--local-steps", "0"], "--local-steps must be a positive integer"),
+        (["--model", "gpt5"], "--model 'gpt5' is unknown"),
+        (["--data", "/nonexistent/corpus"], "no such directory"),
+        (["--groups", "two"], "invalid int value"),
+        (["--nproc-per-group", "2", "--sharding", "hsdp", "--replicate", "3"], "--replicate 3"),
+        (["--seq-len", "100000000"], "fewer than --batch-size"),
+    ],
+)
+def test_cli_fails_fast_with_one_line(tmp_path, args, message):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flower_shard.cli", "train", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), proc.stderr
+    assert message in lines[0]
+    assert not (out / "config.json").exists()  # nothing was launched
+
+
+def test_config_round_trips_through_json(tmp_path):
+    cfg = TrainConfig(groups=3, outer="nesterov", bf16=True, data=str(tmp_path))
+    cfg.to_json(tmp_path / "c.json")
+    assert TrainConfig.from_json(tmp_path / "c.json") == cfg
+    (tmp_path / "bad.json").write_text('{"groups": 2, "gruops": 3}')
+    with pytest.raises(ConfigError, match="unknown configuration keys"):
+        TrainConfig.from_json(tmp_path / "bad.json")
