@@ -109,8 +109,7 @@ class OuterSync:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        group_pg,
-        groups: int,
+        group_pg=None,
         kind: str = "fedavg",
         lr: float = 0.7,
         momentum: float = 0.9,
@@ -119,7 +118,6 @@ class OuterSync:
         self.params = [local_view(p) for p in model.parameters()]
         self.optimizer = optimizer
         self.group_pg = group_pg
-        self.groups = groups
         self.sync_optimizer_state = sync_optimizer_state
         self.param_numel = sum(t.numel() for t in self.params)
         with torch.no_grad():
@@ -136,12 +134,38 @@ class OuterSync:
         return out
 
     @torch.no_grad()
-    def sync(self) -> SyncStats:
+    def sync(self, group_pg=None, weight: float | None = None) -> SyncStats:
+        """Average over ``group_pg`` (default: the one given at construction) and step.
+
+        ``weight`` (e.g. the tokens this group processed) makes it a weighted average
+        ``sum_g w_g x_g / sum_g w_g``; when every group has the same weight (the usual case)
+        it is the plain mean, computed as SUM / G so that G = 2 stays bit-exact.
+        """
+        pg = self.group_pg if group_pg is None else group_pg
+        groups = dist.get_world_size(pg)
         start = time.perf_counter()
         tensors = self.params + (self._moments() if self.sync_optimizer_state else [])
         flat = _flatten(tensors)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group_pg)
-        flat.div_(self.groups)
+        scale = None
+        if weight is not None:
+            weights = [
+                torch.zeros(1, dtype=torch.float64, device=flat.device) for _ in range(groups)
+            ]
+            dist.all_gather(
+                weights,
+                torch.tensor([float(weight)], dtype=torch.float64, device=flat.device),
+                group=pg,
+            )
+            weights = [w.item() for w in weights]
+            if min(weights) <= 0:
+                raise ValueError(f"outer sync weights must be > 0, got {weights}")
+            if len(set(weights)) > 1:
+                scale = weight / sum(weights)
+        if scale is not None:
+            flat.mul_(scale)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        if scale is None:
+            flat.div_(groups)
         new_weights = self.outer.step(flat[: self.param_numel])
         _unflatten_into(new_weights, self.params)
         if len(tensors) > len(self.params):
@@ -152,7 +176,7 @@ class OuterSync:
         return SyncStats(
             seconds=time.perf_counter() - start,
             payload_bytes=payload,
-            sent_bytes=2 * (self.groups - 1) * payload // self.groups,
+            sent_bytes=2 * (groups - 1) * payload // groups,
         )
 
     def state_dict(self) -> dict:

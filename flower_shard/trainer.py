@@ -52,18 +52,35 @@ class GroupTrainer:
     world (the run is one torch job; loose coupling across failures is the Flower transport's job).
     """
 
-    def __init__(self, cfg: TrainConfig, data_dir: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        data_dir: str | Path | None = None,
+        *,
+        group_index: int | None = None,
+        num_groups: int | None = None,
+    ):
+        """Build this rank's part of the run.
+
+        By default the torch world holds all G groups (the ``collective`` layout inside one
+        job). With ``group_index`` / ``num_groups`` the world is ONE group of a federation (a
+        Flower client): the mesh has G = 1 and the data part is that group's.
+        """
         self.cfg = cfg
         self.device = init_distributed(cfg.device)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        if world != cfg.world_size:
-            raise ConfigError(
-                f"torchrun started {world} ranks but the configuration needs N = G x K = "
-                f"{cfg.world_size}; launch with --nproc-per-node / --nnodes matching it"
-            )
-        self.topology = Topology(world, cfg.groups, cfg.sharding, cfg.replicate)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if group_index is None:
+            if self.world != cfg.world_size:
+                raise ConfigError(
+                    f"torchrun started {self.world} ranks but the configuration needs N = G x K "
+                    f"= {cfg.world_size}; launch with --nproc-per-node / --nnodes matching it"
+                )
+            self.topology = Topology(self.world, cfg.groups, cfg.sharding, cfg.replicate)
+            self.group, num_groups = self.topology.group_of(self.rank), cfg.groups
+        else:
+            self.topology = Topology(self.world, 1, cfg.sharding, cfg.replicate)
+            self.group = group_index
         self.mesh = self.topology.build_mesh(self.device.type)
-        self.group = self.topology.group_of(self.rank)
 
         data_dir = Path(data_dir or Path(cfg.out, DATA_SUBDIR))
         self.corpus = CorpusInfo.load(data_dir)
@@ -71,13 +88,15 @@ class GroupTrainer:
             data_dir,
             cfg.seq_len,
             cfg.batch_size,
-            cfg.groups,
+            num_groups,
             self.topology.group_size,
             self.group,
             self.topology.rank_in_group(self.rank),
             cfg.seed,
         )
-        self.eval_blocks = eval_shard(data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, world)
+        self.eval_blocks = eval_shard(
+            data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, self.world
+        )
         self.eval_total = dist_sum(len(self.eval_blocks), self.device)
 
         self.model = build_model(cfg.model, self.corpus.vocab_size, cfg.seed, cfg.seq_len)
@@ -97,12 +116,11 @@ class GroupTrainer:
             lambda step: warmup_cosine(step, cfg.total_steps, warmup, cfg.min_lr_ratio),
         )
         self.outer = None
-        if cfg.groups > 1:
+        if cfg.groups > 1 and group_index is None:
             self.outer = OuterSync(
                 self.model,
                 self.optimizer,
                 self.mesh.get_group("group"),
-                cfg.groups,
                 kind=cfg.outer,
                 lr=cfg.outer_lr,
                 momentum=cfg.outer_momentum,
@@ -139,32 +157,38 @@ class GroupTrainer:
 
     def train_round(self) -> dict:
         """T inner steps, then the outer sync; returns the round's metrics."""
-        cfg = self.cfg
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(cfg.local_steps):
-            inputs, targets = next(self.batches)
-            loss_sum += self.train_step(inputs.to(self.device), targets.to(self.device))
-        compute_s = _elapsed(start, self.device)
+        steps = self.train_steps(self.cfg.local_steps)
         stats = self.outer.sync() if self.outer else None
         round_s = time.perf_counter() - start
         self.round += 1
-        round_tokens = cfg.local_steps * cfg.batch_size * cfg.seq_len * cfg.world_size
-        self.tokens += round_tokens
-        mean_loss = dist_sum(loss_sum, self.device) / (cfg.local_steps * cfg.world_size)
         return {
             M.ROUND: self.round,
             M.STEP: self.step,
             M.TOKENS: self.tokens,
-            M.TOKENS_PER_S: round_tokens / round_s,
-            M.TRAIN_LOSS: mean_loss,
+            M.TOKENS_PER_S: steps["tokens"] / round_s,
+            M.TRAIN_LOSS: steps["loss"],
             M.LR: self.scheduler.get_last_lr()[0],
             M.ROUND_S: round_s,
-            M.COMPUTE_S: compute_s,
+            M.COMPUTE_S: steps["seconds"],
             M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
             M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
             M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
         }
+
+    def train_steps(self, n: int) -> dict:
+        """``n`` inner steps on every rank of this world; returns loss, tokens and seconds."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(n):
+            inputs, targets = next(self.batches)
+            loss_sum += self.train_step(inputs.to(self.device), targets.to(self.device))
+        seconds = _elapsed(start, self.device)
+        tokens = n * cfg.batch_size * cfg.seq_len * self.world
+        self.tokens += tokens
+        loss = dist_sum(loss_sum, self.device) / (n * self.world)
+        return {"loss": loss, "tokens": tokens, "seconds": seconds}
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One inner AdamW step on this rank's batch; returns the (detached) loss."""
@@ -188,7 +212,7 @@ class GroupTrainer:
         """
         cfg = self.cfg
         self.model.eval()
-        per_rank = math.ceil(self.eval_total / cfg.world_size)
+        per_rank = math.ceil(self.eval_total / self.world)
         n_batches = math.ceil(per_rank / cfg.batch_size)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         blocks = torch.from_numpy(self.eval_blocks.astype("int64"))

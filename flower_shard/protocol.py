@@ -1,0 +1,105 @@
+"""Names and encodings shared by the server, the ClientApp and the group: no magic strings.
+
+Run-config keys are kebab-case (Flower's convention); the same keys travel in each train
+message's ConfigRecord, so a group builds exactly the run the server was started with.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+# -- records inside a Flower Message -----------------------------------------------------------
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+
+# -- per-message config keys (besides the run config below) -----------------------------------
+SERVER_ROUND = "server-round"
+GROUP_INDEX = "group-index"
+NUM_GROUPS = "num-groups"
+COLLECTIVE_PREFIX = "collective-prefix"
+RUN_ID = "run-id"
+
+# -- reply metrics ------------------------------------------------------------------------------
+NUM_TOKENS = "num-tokens"  # the aggregation weight: tokens the group processed this round
+TRAIN_LOSS = "train-loss"
+EVAL_LOSS = "eval-loss"
+COMPUTE_S = "compute-s"
+GROUP_ROUND_S = "group-round-s"
+SYNC_S = "sync-s"
+SYNC_BYTES = "sync-bytes"
+STEP = "step"
+
+# -- run config (pyproject [tool.flwr.app.config]) -------------------------------------------
+NUM_SERVER_ROUNDS = "num-server-rounds"
+LOCAL_STEPS = "local-steps"
+TRANSPORT = "transport"
+OUTER_OPTIMIZER = "outer-optimizer"
+OUTER_LR = "outer-lr"
+OUTER_MOMENTUM = "outer-momentum"
+MIN_GROUPS = "min-groups"
+ROUND_TIMEOUT = "round-timeout"
+EVAL_EVERY = "eval-every"
+OUT_DIR = "out-dir"
+COLLECTIVE_ADDRESS = "collective-address"
+POLL_INTERVAL = "poll-interval"
+
+TRANSPORTS = ("flower", "collective")
+
+# TrainConfig fields that a group needs, under their kebab-case run-config names.
+GROUP_FIELDS = (
+    "model",
+    "seq_len",
+    "batch_size",
+    "lr",
+    "min_lr_ratio",
+    "warmup_frac",
+    "weight_decay",
+    "grad_clip",
+    "bf16",
+    "seed",
+    "sharding",
+    "replicate",
+    "eval_fraction",
+    "eval_sequences",
+    "sync_optimizer_state",
+    "tokenizer",
+)
+
+
+def kebab(field: str) -> str:
+    return field.replace("_", "-")
+
+
+# -- node config (flower-supernode --node-config) ------------------------------------------------
+GROUP_ADDRESS = "group-address"
+
+# -- the group's local control service --------------------------------------------------------
+SERVICE = "flower_shard.Group"
+HEALTH = "Health"
+TRAIN = "Train"
+EVALUATE = "Evaluate"
+GET_WEIGHTS = "GetWeights"
+METHODS = (HEALTH, TRAIN, EVALUATE, GET_WEIGHTS)
+GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def encode(header: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
+    """A control-service message: 4-byte header length, JSON header, then safetensors bytes."""
+    from safetensors.numpy import save
+
+    head = json.dumps(header).encode()
+    body = save(arrays) if arrays else b""
+    return struct.pack("<I", len(head)) + head + body
+
+
+def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    from safetensors.numpy import load
+
+    (n,) = struct.unpack_from("<I", data)
+    header = json.loads(data[4 : 4 + n])
+    body = data[4 + n :]
+    return header, (load(body) if body else {})
