@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -142,20 +141,17 @@ class OuterSync:
         it is the plain mean, computed as SUM / G so that G = 2 stays bit-exact.
         """
         pg = self.group_pg if group_pg is None else group_pg
-        groups = dist.get_world_size(pg)
+        groups = pg.size()
         start = time.perf_counter()
         tensors = self.params + (self._moments() if self.sync_optimizer_state else [])
         flat = _flatten(tensors)
         scale = None
         if weight is not None:
-            weights = [
-                torch.zeros(1, dtype=torch.float64, device=flat.device) for _ in range(groups)
-            ]
-            dist.all_gather(
-                weights,
-                torch.tensor([float(weight)], dtype=torch.float64, device=flat.device),
-                group=pg,
-            )
+            mine = torch.tensor([float(weight)], dtype=torch.float64, device=flat.device)
+            weights = [torch.zeros_like(mine) for _ in range(groups)]
+            # The raw ProcessGroup API also serves groups that torch.distributed has not
+            # registered (the cross-world groups of the collective transport).
+            pg.allgather([weights], [mine]).wait()
             weights = [w.item() for w in weights]
             if min(weights) <= 0:
                 raise ValueError(f"outer sync weights must be > 0, got {weights}")
@@ -163,7 +159,7 @@ class OuterSync:
                 scale = weight / sum(weights)
         if scale is not None:
             flat.mul_(scale)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        pg.allreduce([flat]).wait()  # SUM
         if scale is None:
             flat.div_(groups)
         new_weights = self.outer.step(flat[: self.param_numel])

@@ -1,0 +1,291 @@
+"""The long-lived group behind one Flower client: K torchrun ranks and a local control service.
+
+Flower starts a fresh ClientApp process for every message, so the sharded model and the inner
+optimizer cannot live there. They live here, in a torchrun job that outlives the messages. Rank 0
+serves a small gRPC service (on a Unix socket in an owner-only directory, or on loopback) with
+four calls: ``Health``, ``Train`` (load the global weights, run T steps, then either return
+the full weights or average the shards with the other groups), ``Evaluate`` and ``GetWeights``.
+
+Rank 0 turns each call into a command that it broadcasts to all ranks over a gloo control
+group; every rank then runs the command collectively (loading weights, FSDP steps, gathering).
+Commands run one at a time, in order.
+
+On failure: a call whose configuration is invalid is answered with an error and changes
+nothing. An exception in the middle of a collective command leaves the ranks out of step, so
+the whole job exits (torchrun stops every rank) and whoever started it restarts it.
+
+Started by ``flower-shard node``:
+``torchrun --nproc-per-node K -m flower_shard.clients.group_service --socket PATH --work-dir DIR``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import time
+from concurrent import futures
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flower_shard import protocol as P
+from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.data import check_fits, prepare_corpus
+from flower_shard.distributed import init_distributed
+from flower_shard.outer_sync import OuterSync
+
+IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
+
+
+def config_from_message(config: dict, data: str | None, device: str) -> TrainConfig:
+    """The group's TrainConfig from a train/evaluate message's config (kebab-case keys)."""
+    fields = {f: config[P.kebab(f)] for f in P.GROUP_FIELDS if P.kebab(f) in config}
+    cfg = TrainConfig(
+        groups=int(config[P.NUM_GROUPS]),
+        nproc_per_group=dist.get_world_size(),
+        local_steps=int(config[P.LOCAL_STEPS]),
+        rounds=int(config[P.NUM_SERVER_ROUNDS]),
+        outer=str(config.get(P.OUTER_OPTIMIZER, "fedavg")),
+        outer_lr=float(config.get(P.OUTER_LR, 0.7)),
+        outer_momentum=float(config.get(P.OUTER_MOMENTUM, 0.9)),
+        data=data,
+        device=device,
+        eval_every=0,
+        quiet=True,
+        **fields,
+    )
+    return cfg.validate()
+
+
+class GroupWorker:
+    """What every rank of the group holds between rounds: the trainer for the current run."""
+
+    def __init__(self, work_dir: Path, data: str | None, device: str, dump_dir: str | None):
+        self.work_dir, self.data, self.device_pref, self.dump_dir = work_dir, data, device, dump_dir
+        self.device = init_distributed(device)
+        self.rank = dist.get_rank()
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.trainer = None
+        self.run_key = None
+        self.outer: OuterSync | None = None
+        self._store = None
+
+    # -- run set-up ------------------------------------------------------------------------
+
+    def ensure_run(self, config: dict) -> None:
+        """Build (or keep) the trainer for the run that ``config`` describes."""
+        from flower_shard.trainer import GroupTrainer
+
+        key = {k: v for k, v in config.items() if k not in (P.SERVER_ROUND, P.COLLECTIVE_PREFIX)}
+        if key == self.run_key:
+            return
+        cfg = config_from_message(config, self.data, self.device_pref)
+        self.trainer = GroupTrainer(
+            cfg, self.data_dir, group_index=int(config[P.GROUP_INDEX]), num_groups=cfg.groups
+        )
+        self.outer = None
+        if config.get(P.TRANSPORT) == "collective":
+            self.outer = OuterSync(
+                self.trainer.model,
+                self.trainer.optimizer,
+                kind=cfg.outer,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                sync_optimizer_state=cfg.sync_optimizer_state,
+            )
+        self.run_key = key
+
+    @property
+    def data_dir(self) -> Path:
+        return self.work_dir / "data"
+
+    def check(self, config: dict) -> None:
+        """Rank 0, before any rank acts: validate the run and prepare its data (cached)."""
+        cfg = config_from_message(config, self.data, self.device_pref)
+        check_fits(prepare_corpus(self.data_dir, cfg.data, cfg.tokenizer, cfg.eval_fraction), cfg)
+
+    # -- commands (run on every rank) ----------------------------------------------------------
+
+    def run(self, command: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
+        method = command["method"]
+        if method == P.GET_WEIGHTS:
+            return {}, self.full_weights() if self.trainer else {}
+        config = command["config"]
+        self.ensure_run(config)
+        if command.get("has_arrays"):
+            self.load_weights(arrays)
+            self.dump(config, "loaded")
+        if method == P.EVALUATE:
+            return {"metrics": {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
+        return self.train(config)
+
+    def train(self, config: dict) -> tuple[dict, dict]:
+        t = self.trainer
+        start = time.perf_counter()
+        steps = t.train_steps(int(config[P.LOCAL_STEPS]))
+        t.round = int(config[P.SERVER_ROUND])
+        metrics = {
+            P.NUM_TOKENS: steps["tokens"],
+            P.TRAIN_LOSS: steps["loss"],
+            P.COMPUTE_S: steps["seconds"],
+            P.STEP: t.step,
+            "lr": t.scheduler.get_last_lr()[0],
+        }
+        arrays = {}
+        if self.outer is not None:  # collective: average with the other groups, send nothing
+            self.dump(config, "trained")
+            stats = self.outer.sync(self.cross_group(config), weight=steps["tokens"])
+            metrics |= {P.SYNC_S: stats.seconds, P.SYNC_BYTES: stats.sent_bytes}
+        else:
+            arrays = self.full_weights()
+            if self.dump_dir and self.rank == 0:
+                self._save(arrays, config, "trained")
+        metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
+        return {"metrics": metrics}, arrays
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, arrays: dict[str, np.ndarray]) -> None:
+        """Load full float32 arrays (present on rank 0 only) into the sharded model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        if self.device.type == "cuda":
+            state = {k: v.to(self.device) for k, v in state.items()}
+        set_model_state_dict(
+            self.trainer.model,
+            state if self.rank == 0 else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """The full weights, gathered to rank 0 (empty elsewhere), as float32 numpy arrays."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {k: v.detach().float().numpy() for k, v in state.items()} if self.rank == 0 else {}
+
+    def dump(self, config: dict, stage: str) -> None:
+        """Debug/test aid: write the group's full weights at a stage of a round."""
+        if self.dump_dir:
+            arrays = self.full_weights()
+            if self.rank == 0:
+                self._save(arrays, config, stage)
+
+    def _save(self, arrays, config, stage):
+        from safetensors.numpy import save_file
+
+        name = f"g{config[P.GROUP_INDEX]}_r{config[P.SERVER_ROUND]}_{stage}.safetensors"
+        save_file(arrays, os.path.join(self.dump_dir, name))
+
+    # -- the collective transport ----------------------------------------------------------
+
+    def cross_group(self, config: dict):
+        """A gloo/NCCL group of the ranks that hold this rank's shard in every group.
+
+        Rendezvous through the TCPStore that the ServerApp hosts at ``collective-address``,
+        under a prefix the server picks per round (so a new membership starts clean).
+        """
+        host, port = str(config[P.COLLECTIVE_ADDRESS]).rsplit(":", 1)
+        timeout = timedelta(seconds=float(config.get(P.ROUND_TIMEOUT, 600)))
+        if self._store is None:
+            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        prefix = f"{config[P.COLLECTIVE_PREFIX]}/shard{self.rank}"
+        store = dist.PrefixStore(prefix, self._store)
+        g, n = int(config[P.GROUP_INDEX]), int(config[P.NUM_GROUPS])
+        if self.device.type == "cuda":
+            return dist.ProcessGroupNCCL(store, g, n)
+        return dist.ProcessGroupGloo(store, g, n, timeout)
+
+
+class ControlServer:
+    """Rank 0's gRPC service: turns calls into commands for the rank-0 main loop."""
+
+    def __init__(self, address: str):
+        import grpc
+
+        self.commands: queue.Queue = queue.Queue()
+        self.status = {"ready": False, "ranks": dist.get_world_size(), "step": 0}
+        handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(m)) for m in P.METHODS}
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=P.GRPC_OPTIONS)
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(P.SERVICE, handlers),)
+        )
+        if self.server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+            raise RuntimeError(f"cannot bind the group control service to {address}")
+        self.server.start()
+
+    def _handler(self, method: str):
+        def handle(request: bytes, context) -> bytes:
+            if method == P.HEALTH:
+                return P.encode(self.status)
+            header, arrays = P.decode(request)
+            done: futures.Future = futures.Future()
+            self.commands.put((method, header, arrays, done))
+            reply_header, reply_arrays = done.result()
+            return P.encode(reply_header, reply_arrays)
+
+        return handle
+
+
+def serve(args: argparse.Namespace) -> int:
+    work_dir = Path(args.work_dir)
+    worker = GroupWorker(work_dir, args.data, args.device, args.dump_dir)
+    server = None
+    if worker.rank == 0:
+        server = ControlServer(args.address)
+        server.status["ready"] = True
+        print(
+            f"flower-shard group: {dist.get_world_size()} ranks serving {args.address}", flush=True
+        )
+    while True:
+        if worker.rank == 0:
+            method, header, arrays, done = server.commands.get()
+            command = {
+                "method": method,
+                "config": header.get("config", {}),
+                "has_arrays": bool(arrays),
+            }
+            if method != P.GET_WEIGHTS:
+                try:  # refuse a bad configuration before any rank acts on it
+                    worker.check(command["config"])
+                except (ConfigError, KeyError, ValueError, TypeError) as exc:
+                    done.set_result(({"error": f"bad run configuration: {exc}"}, {}))
+                    continue
+        else:
+            command, arrays, done = None, {}, None
+        box = [command]
+        dist.broadcast_object_list(box, src=0, group=worker.control)
+        command = box[0]
+        try:
+            reply = worker.run(command, arrays)
+        except BaseException as exc:
+            if done is not None:
+                done.set_result(({"error": f"group failed: {type(exc).__name__}: {exc}"}, {}))
+                time.sleep(0.5)  # let the reply leave before the job goes down
+            raise
+        if done is not None:
+            server.status["step"] = worker.trainer.step if worker.trainer else 0
+            done.set_result(reply)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flower_shard.clients.group_service")
+    p.add_argument("--address", required=True, help="unix:/path/group.sock or 127.0.0.1:PORT")
+    p.add_argument("--work-dir", required=True, help="where the group keeps its prepared data")
+    p.add_argument("--data", default=None, help="this node's directory of text files")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dump-dir", default=None, help="debug: write the weights of every round")
+    args = p.parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

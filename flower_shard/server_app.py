@@ -1,0 +1,127 @@
+"""The ServerApp: reads the run config, runs ShardedFedAvg, writes OUT/metrics.jsonl and the model.
+
+Outputs in ``out-dir``: ``metrics.jsonl`` (one line per round, the group runtime's fields plus
+``groups_ok``, ``groups_rejected``, ``rejected``, ``exchange_bytes``, ``round_s``,
+``control_overhead_s``), ``final_model.safetensors`` (flower transport), ``summary.json``
+(status ``ok`` or ``failed`` with the reason: ``flwr run`` itself exits 0 either way).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from flower_shard import metrics as M
+from flower_shard import protocol as P
+from flower_shard.federation import FederationConfig
+
+app = ServerApp()
+
+SUMMARY_FILE = "summary.json"
+FINAL_MODEL = "final_model.safetensors"
+
+
+class HeldOutEvaluator:
+    """Server-side held-out loss of a global model: the same sequences the groups evaluate."""
+
+    def __init__(self, fed: FederationConfig, out: Path):
+        from flower_shard.data import eval_shard, prepare_corpus
+        from flower_shard.models import build_model
+
+        t = fed.train
+        info = prepare_corpus(out / "data", t.data, t.tokenizer, t.eval_fraction)
+        self.blocks = eval_shard(out / "data", t.seq_len, t.eval_sequences, 0, 1)
+        self.batch_size = t.batch_size
+        self.model = build_model(t.model, info.vocab_size, t.seed, t.seq_len)
+        self.model.eval()
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        import torch
+
+        from flower_shard.trainer import lm_loss
+
+        state = {k: torch.from_numpy(v.numpy()) for k, v in arrays.items()}
+        self.model.load_state_dict(state, strict=True)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(self.blocks), self.batch_size):
+                rows = torch.from_numpy(self.blocks[i : i + self.batch_size].astype(np.int64))
+                losses = lm_loss(self.model, rows[:, :-1], rows[:, 1:], reduction="none")
+                total += losses.double().sum().item()
+                count += losses.numel()
+        return MetricRecord({P.EVAL_LOSS: total / count})
+
+
+def initial_arrays(fed: FederationConfig, vocab_size: int) -> dict[str, np.ndarray]:
+    """The first global model: the preset built from the run's seed, as float32 arrays."""
+    from flower_shard.models import build_model
+
+    t = fed.train
+    model = build_model(t.model, vocab_size, t.seed, t.seq_len)
+    return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    fed = FederationConfig.from_run_config(dict(context.run_config))
+    out = Path(fed.train.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        run(grid, fed, out)
+    except Exception as exc:
+        (out / SUMMARY_FILE).write_text(json.dumps({
+            "status": "failed", "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }, indent=2) + "\n")
+        raise
+
+
+def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
+    from flower_shard.strategies.sharded_fedavg import ShardedFedAvg
+
+    (out / M.METRICS_FILE).unlink(missing_ok=True)
+    logger = M.MetricsLogger(out, echo=not fed.train.quiet, total_rounds=fed.train.rounds)
+    evaluator = HeldOutEvaluator(fed, out)
+    store = None
+    if fed.transport == "collective":  # host the cross-group rendezvous for the groups
+        import torch.distributed as dist
+
+        host, port = fed.collective_address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=fed.round_timeout))
+    strategy = ShardedFedAvg(fed, on_round=lambda r: logger.log(_jsonable(r)))
+    first = initial_arrays(fed, evaluator.model.config.vocab_size)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord({k: Array(v) for k, v in first.items()}),
+        num_rounds=fed.train.rounds,
+        timeout=fed.round_timeout,
+        evaluate_fn=evaluator if fed.transport == "flower" else None,
+    )
+    logger.close()
+    if fed.transport == "flower":
+        from safetensors.numpy import save_file
+
+        save_file({k: v.numpy() for k, v in result.arrays.items()}, str(out / FINAL_MODEL))
+    summary = {"status": "ok", "rounds": len(strategy.history), "transport": fed.transport,
+               "final": strategy.history[-1] if strategy.history else None}
+    (out / SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    del store
+
+
+def _jsonable(obj):
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    return obj

@@ -1,0 +1,304 @@
+"""ShardedFedAvg: FedAvg where a client is a whole FSDP/HSDP group and a round is T local steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+
+from flower_shard import metrics as M
+from flower_shard import protocol as P
+from flower_shard.federation import FederationConfig
+from flower_shard.strategies.aggregation import (
+    check_arrays,
+    check_weight,
+    describe,
+    flatten,
+    unflatten,
+    weighted_mean,
+)
+
+
+class ShardedFedAvg(FedAvg):
+    """FedAvg over FSDP/HSDP groups, one round = T local steps, with an outer optimizer.
+
+    Each round, every connected node (one group each, indexed by sorted node id) gets the run
+    config with ``local-steps`` = T and its ``group-index``; with ``transport=flower`` also the
+    global weights. Replies are validated one by one (error replies, missing or extra arrays,
+    shapes, dtypes, non-finite values, the ``num-tokens`` weight): a bad reply is rejected with
+    its reason in the log and in the round's metrics, and the round goes on with the others.
+    With at least ``min-groups`` valid replies, the token-weighted mean of the groups' weights
+    goes through the outer optimizer (the group runtime's own
+    :class:`~flower_shard.outer_sync.OuterOptimizer`: ``fedavg`` or DiLoCo's ``nesterov``) to
+    give the next global weights; with fewer, the global weights stay as they were.
+
+    With ``transport=collective`` the messages carry configuration only: the groups average
+    their shards among themselves over a cross-group process group (rendezvous at
+    ``collective-address`` under a fresh prefix per round) and reply with metrics; the strategy
+    keeps rounds, membership, metrics and evaluation.
+
+    The strategy pushes and pulls messages itself with a short poll (``poll-interval``)
+    instead of ``Grid.send_and_receive``, which sleeps 3 s between pulls.
+    """
+
+    def __init__(self, fed: FederationConfig, *, on_round: Callable[[dict], None] | None = None):
+        super().__init__(
+            fraction_evaluate=0.0,
+            min_train_nodes=fed.min_groups,
+            min_available_nodes=fed.min_groups,
+            weighted_by_key=P.NUM_TOKENS,
+            arrayrecord_key=P.ARRAYS,
+            configrecord_key=P.CONFIG,
+        )
+        self.fed = fed
+        self.on_round = on_round
+        self.outer = None
+        self.expected: dict | None = None
+        self.order: list[str] = []
+        self.history: list[dict] = []
+        self._round: dict = {}
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self._messages(server_round, arrays, config, grid, MessageType.TRAIN)
+
+    def _messages(self, server_round, arrays, config, grid, message_type) -> list[Message]:
+        """One message per node: the run config, its group index, and the weights (flower)."""
+        node_ids = sorted(grid.get_node_ids())
+        messages = []
+        for index, node in enumerate(node_ids):
+            cfg = ConfigRecord(dict(config))
+            cfg[P.SERVER_ROUND] = server_round
+            cfg[P.GROUP_INDEX] = index
+            cfg[P.NUM_GROUPS] = len(node_ids)
+            cfg[P.COLLECTIVE_PREFIX] = f"run{grid.run.run_id}/round{server_round}"
+            content = RecordDict({P.CONFIG: cfg})
+            if self.fed.transport == "flower":
+                content[P.ARRAYS] = arrays
+            messages.append(Message(content=content, message_type=message_type, dst_node_id=node))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        start = time.perf_counter()
+        ok, rejected = [], []
+        for msg in replies:
+            reason, parsed = self._check_reply(msg)
+            node = msg.metadata.src_node_id
+            if reason:
+                rejected.append(f"node {node}: {reason}")
+                log(
+                    WARNING,
+                    "round %s: rejected the reply of node %s: %s",
+                    server_round,
+                    node,
+                    reason,
+                )
+            else:
+                ok.append(parsed)
+        self._round["rejected"] = self._round.get("rejected", []) + rejected
+        self._round["ok"] = ok
+        if len(ok) < self.fed.min_groups:
+            log(
+                WARNING,
+                "round %s: %d valid replies, fewer than min-groups %d: the global model is kept",
+                server_round,
+                len(ok),
+                self.fed.min_groups,
+            )
+            return None, None
+        weights = [p["metrics"][P.NUM_TOKENS] for p in ok]
+        metrics = MetricRecord(
+            {
+                P.NUM_TOKENS: int(sum(weights)),
+                P.TRAIN_LOSS: float(
+                    np.average([p["metrics"][P.TRAIN_LOSS] for p in ok], weights=weights)
+                ),
+            }
+        )
+        if self.fed.transport != "flower":
+            return None, metrics
+        mean = weighted_mean([p["arrays"] for p in ok], weights)
+        new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
+        self._round["server_s"] = time.perf_counter() - start
+        return ArrayRecord({k: Array(v) for k, v in new.items()}), metrics
+
+    def _check_reply(self, msg: Message) -> tuple[str | None, dict]:
+        if msg.has_error():
+            return f"error reply: {msg.error.reason}", {}
+        content = msg.content
+        if P.METRICS not in content:
+            return f"no {P.METRICS!r} record", {}
+        metrics = dict(content[P.METRICS])
+        for key in (P.NUM_TOKENS, P.TRAIN_LOSS):
+            if key not in metrics:
+                return f"metric {key!r} missing", {}
+        reason = check_weight(metrics[P.NUM_TOKENS])
+        if reason is None and not np.isfinite(metrics[P.TRAIN_LOSS]):
+            reason = f"train-loss is {metrics[P.TRAIN_LOSS]}"
+        if reason:
+            return reason, {}
+        parsed = {"metrics": metrics, "node": msg.metadata.src_node_id}
+        if self.fed.transport == "flower":
+            if P.ARRAYS not in content:
+                return f"no {P.ARRAYS!r} record (transport flower needs the weights)", {}
+            try:
+                arrays = {k: v.numpy() for k, v in content[P.ARRAYS].items()}
+            except Exception as exc:  # a malformed Array fails to decode
+                return f"undecodable arrays: {exc}", {}
+            reason = check_arrays(arrays, self.expected)
+            if reason:
+                return reason, {}
+            parsed["arrays"] = arrays
+            parsed["bytes"] = content[P.ARRAYS].count_bytes()
+        return None, parsed
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds; ``evaluate_fn`` (flower transport) returns ``eval-loss``."""
+        from flower_shard.outer_sync import OuterOptimizer
+
+        t = self.fed.train
+        config = ConfigRecord(self.fed.group_config()) if train_config is None else train_config
+        initial = {k: v.numpy() for k, v in initial_arrays.items()}
+        self.expected, self.order = describe(initial), list(initial)
+        self.outer = OuterOptimizer(
+            flatten(initial, self.order), t.outer, t.outer_lr, t.outer_momentum
+        )
+        self._wait_for_groups(grid, timeout)
+        arrays, result, tokens = initial_arrays, Result(), 0
+        for rnd in range(1, num_rounds + 1):
+            start = time.perf_counter()
+            self._round = {}
+            messages = list(self.configure_train(rnd, arrays, config, grid))
+            sent = arrays.count_bytes() * len(messages) if self.fed.transport == "flower" else 0
+            replies = self.send_and_receive(grid, messages, self.fed.round_timeout)
+            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+            ok = self._round["ok"]
+            round_tokens = int(sum(p["metrics"][P.NUM_TOKENS] for p in ok))
+            tokens += round_tokens
+            if train_metrics is not None:
+                result.train_metrics_clientapp[rnd] = train_metrics
+            eval_loss = None
+            if t.eval_every and (rnd % t.eval_every == 0 or rnd == num_rounds):
+                eval_loss = self._evaluate(rnd, arrays, config, grid, evaluate_fn)
+            round_s = time.perf_counter() - start
+            record = self._record(rnd, ok, round_tokens, tokens, round_s, eval_loss, sent)
+            self.history.append(record)
+            if self.on_round:
+                self.on_round(record)
+        result.arrays = arrays
+        return result
+
+    def _record(self, rnd, ok, round_tokens, tokens, round_s, eval_loss, sent) -> dict:
+        t = self.fed.train
+        groups = [p["metrics"] for p in ok]
+        flower = self.fed.transport == "flower"
+        received = sum(p.get("bytes", 0) for p in ok)
+        group_s = max((g.get(P.GROUP_ROUND_S, 0.0) for g in groups), default=0.0)
+        record = {
+            M.ROUND: rnd,
+            M.STEP: rnd * t.local_steps,
+            M.TOKENS: tokens,
+            M.TOKENS_PER_S: round_tokens / round_s,
+            M.TRAIN_LOSS: float(
+                np.average(
+                    [g[P.TRAIN_LOSS] for g in groups], weights=[g[P.NUM_TOKENS] for g in groups]
+                )
+            )
+            if groups
+            else float("nan"),
+            M.LR: float(np.mean([g.get("lr", 0.0) for g in groups])) if groups else 0.0,
+            M.ROUND_S: round_s,
+            M.COMPUTE_S: max((g.get(P.COMPUTE_S, 0.0) for g in groups), default=0.0),
+            M.OUTER_SYNC_S: self._round.get("server_s", 0.0)
+            if flower
+            else max((g.get(P.SYNC_S, 0.0) for g in groups), default=0.0),
+            M.OUTER_SYNC_BYTES: (received // len(ok) if ok else 0)
+            if flower
+            else max((int(g.get(P.SYNC_BYTES, 0)) for g in groups), default=0),
+            "groups_ok": len(ok),
+            "groups_rejected": len(self._round["rejected"]),
+            "rejected": self._round["rejected"],
+            "exchange_bytes": sent + received,
+            "control_overhead_s": max(0.0, round_s - group_s - self._round.get("eval_s", 0.0)),
+        }
+        if eval_loss is not None:
+            record[M.EVAL_LOSS] = eval_loss
+            record[M.EVAL_PPL] = M.perplexity(eval_loss)
+        return record
+
+    def _evaluate(self, rnd, arrays, config, grid, evaluate_fn) -> float | None:
+        start = time.perf_counter()
+        loss = None
+        if self.fed.transport == "flower" and evaluate_fn is not None:
+            res = evaluate_fn(rnd, arrays)
+            loss = None if res is None else float(res[P.EVAL_LOSS])
+        elif self.fed.transport == "collective":  # the groups hold the (identical) model
+            messages = self._messages(rnd, arrays, config, grid, MessageType.EVALUATE)
+            losses = [
+                dict(m.content[P.METRICS])[P.EVAL_LOSS]
+                for m in self.send_and_receive(grid, messages, self.fed.round_timeout)
+                if not m.has_error() and P.METRICS in m.content
+            ]
+            loss = float(np.mean(losses)) if losses else None
+        self._round["eval_s"] = time.perf_counter() - start
+        return loss
+
+    # -- messaging ---------------------------------------------------------------------------
+
+    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float):
+        """Push, then pull every ``poll-interval`` until all replied or ``timeout`` passed."""
+        pending = set(grid.push_messages(messages))
+        replies: list[Message] = []
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            got = list(grid.pull_messages(pending))
+            replies += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if pending:
+                time.sleep(self.fed.poll_interval)
+        if pending:
+            self._round.setdefault("rejected", []).extend(
+                f"no reply within round-timeout {timeout:.0f} s" for _ in pending
+            )
+            log(WARNING, "%d group(s) did not reply within %.0f s", len(pending), timeout)
+        return replies
+
+    def _wait_for_groups(self, grid: Grid, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(list(grid.get_node_ids())) < self.fed.min_groups:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than min-groups {self.fed.min_groups} nodes connected")
+            time.sleep(self.fed.poll_interval * 4)
+        log(INFO, "%d group(s) connected", len(list(grid.get_node_ids())))
