@@ -6,7 +6,10 @@ Multi-node: run the same command on every host with ``--nnodes H --node-rank I
 --rdzv-endpoint HOST0:PORT``; each host starts N / H ranks, and groups are consecutive ranks,
 so with K = ranks per host every group lives on one host (its fast tier).
 
-``flower-shard demo``: a small FL+FSDP job on the default corpus (2 groups x 2 ranks, tiny model).
+``flower-shard node``: one Flower client, i.e. a torchrun group plus ``flower-supernode``.
+
+``flower-shard demo``: a real local Flower deployment on loopback (SuperLink, 2 nodes of 2 ranks)
+running FL+FSDP on the default corpus with the tiny model.
 
 Flags are made from :class:`~flower_shard.config.TrainConfig`'s fields (``--local-steps`` for
 ``local_steps``), with the field docstrings as help, so the CLI and the config cannot disagree.
@@ -21,6 +24,8 @@ import inspect
 import sys
 
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.demo import add_demo_flags
+from flower_shard.node import add_node_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,34 +75,25 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> 
             )
 
 
-DEMO = TrainConfig(
-    groups=2,
-    nproc_per_group=2,
-    local_steps=4,
-    rounds=6,
-    model="tiny",
-    seq_len=128,
-    batch_size=4,
-    lr=3e-3,
-    out="runs/demo",
-)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flower-shard", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, defaults, text in (
-        ("train", TrainConfig(), "train FL+FSDP / FL+HSDP (or the G=1 baseline) on this host"),
-        ("demo", DEMO, "a small FL+FSDP run on the default corpus"),
-    ):
-        p = sub.add_parser(name, help=text, description=text)
-        add_config_flags(p, defaults)
-        p.add_argument("--node-rank", type=int, default=0, help="this host's index (multi-node)")
-        p.add_argument(
-            "--rdzv-endpoint",
-            default=None,
-            help="HOST:PORT of the torchrun rendezvous, the same on every host",
-        )
+
+    text = "train FL+FSDP / FL+HSDP (or the G=1 baseline) in one torch job on this host"
+    p = sub.add_parser("train", help=text, description=text)
+    add_config_flags(p, TrainConfig())
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index (multi-node)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the torchrun rendezvous, the same on every host",
+    )
+
+    text = "run one Flower client: a torchrun group plus flower-supernode"
+    add_node_flags(sub.add_parser("node", help=text, description=text))
+
+    text = "a local Flower deployment (SuperLink, G nodes of K ranks) running FL+FSDP"
+    add_demo_flags(sub.add_parser("demo", help=text, description=text))
     return parser
 
 
@@ -108,9 +104,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from flower_shard.launch import launch_train
-
     try:
+        if args.command == "node":
+            from flower_shard.node import node_config_from_args, run_node
+
+            return run_node(node_config_from_args(args))
+        if args.command == "demo":
+            from flower_shard.demo import demo_from_args
+
+            return demo_from_args(args)
+        from flower_shard.launch import launch_train
+
         cfg = config_from_args(args)
         return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     except ConfigError as exc:

@@ -62,13 +62,22 @@ class MetricsLogger:
 def format_round(r: dict, total_rounds: int = 0) -> str:
     """One readable line: ``round 3/5 | step 12 | loss 4.123 | ppl 61.7 | 1,530 tok/s | ...``"""
     of = f"/{total_rounds}" if total_rounds else ""
-    parts = [f"round {r[ROUND]}{of}", f"step {r[STEP]}", f"loss {r[TRAIN_LOSS]:.4f}"]
+    parts = [f"round {r[ROUND]}{of}", f"step {r[STEP]}", f"loss {_num(r.get(TRAIN_LOSS), 4)}"]
     if r.get(EVAL_PPL) is not None:
         parts.append(f"ppl {r[EVAL_PPL]:.2f}")
     parts += [f"{r[TOKENS_PER_S]:,.0f} tok/s", f"lr {r[LR]:.2e}"]
+    if "exchange_bytes" in r:  # a Flower round
+        parts.append(f"exchanged {_human_bytes(r['exchange_bytes'])}")
+        parts.append(f"groups {r['groups_ok']} ok/{r['groups_rejected']} rejected")
     if r.get(OUTER_SYNC_BYTES):
         parts.append(f"sync {1e3 * r[OUTER_SYNC_S]:.0f} ms {_human_bytes(r[OUTER_SYNC_BYTES])}")
+    if ROUND_S in r:
+        parts.append(f"round {r[ROUND_S]:.1f} s")
     return " | ".join(parts)
+
+
+def _num(x, digits: int) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def read_metrics(directory: str | os.PathLike) -> list[dict]:

@@ -76,10 +76,17 @@ def main(grid: Grid, context: Context) -> None:
     try:
         run(grid, fed, out)
     except Exception as exc:
-        (out / SUMMARY_FILE).write_text(json.dumps({
-            "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(),
-        }, indent=2) + "\n")
+        (out / SUMMARY_FILE).write_text(
+            json.dumps(
+                {
+                    "status": "failed",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         raise
 
 
@@ -94,8 +101,13 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         import torch.distributed as dist
 
         host, port = fed.collective_address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=fed.round_timeout))
+        store = dist.TCPStore(
+            host,
+            int(port),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=fed.round_timeout),
+        )
     strategy = ShardedFedAvg(fed, on_round=lambda r: logger.log(_jsonable(r)))
     first = initial_arrays(fed, evaluator.model.config.vocab_size)
     result = strategy.start(
@@ -110,8 +122,12 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         from safetensors.numpy import save_file
 
         save_file({k: v.numpy() for k, v in result.arrays.items()}, str(out / FINAL_MODEL))
-    summary = {"status": "ok", "rounds": len(strategy.history), "transport": fed.transport,
-               "final": strategy.history[-1] if strategy.history else None}
+    summary = {
+        "status": "ok",
+        "rounds": len(strategy.history),
+        "transport": fed.transport,
+        "final": strategy.history[-1] if strategy.history else None,
+    }
     (out / SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
     del store
 

@@ -1,0 +1,262 @@
+"""``flower-shard node``: one Flower client = a torchrun group + a ``flower-supernode``.
+
+Starts the group (K ranks, control service on a Unix socket in an owner-only directory), waits
+until it answers, then starts ``flower-supernode`` with the node config that points the
+ClientApp at the group, and waits until the SuperNode is up. From then on it watches both: on
+SIGINT/SIGTERM, or when either one dies, it stops both process trees (including the SuperExec
+and ClientApp processes that Flower detaches) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flower_shard import protocol as P
+from flower_shard.config import ConfigError
+from flower_shard.processes import ManagedProcess, free_port
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node (a group plus its SuperNode)."""
+
+    superlink: str = "127.0.0.1:8000"
+    """SuperLink address (HOST:PORT) the SuperNode connects to."""
+    nproc_per_group: int = 2
+    """K: ranks in this node's group."""
+    port: int | None = None
+    """The SuperNode's local API port (distinct per node on one host); None picks a free one."""
+    work_dir: str | None = None
+    """Where the group keeps its socket, data and logs; None makes a private temporary dir."""
+    data: str | None = None
+    """This node's directory of text files (default: the standard library's source)."""
+    device: str = "auto"
+    """`cuda` (NCCL), `cpu` (gloo) or `auto`."""
+    root_certificates: str | None = None
+    """CA certificate for a TLS SuperLink; None connects with --insecure."""
+    auth_private_key: str | None = None
+    """SuperNode authentication: this node's private key (EC, NIST curve)."""
+    auth_public_key: str | None = None
+    """SuperNode authentication: this node's public key (registered with the SuperLink)."""
+    dump_dir: str | None = None
+    """Debug: the group writes its weights at each stage of each round here."""
+    ready_timeout: float = 180.0
+    """Seconds to wait for the group and the SuperNode to come up."""
+
+    def validate(self) -> NodeConfig:
+        host, _, port = self.superlink.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
+        if self.nproc_per_group < 1:
+            raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.data is not None and not Path(self.data).is_dir():
+            raise ConfigError(f"--data {self.data}: no such directory")
+        for flag, path in (
+            ("--root-certificates", self.root_certificates),
+            ("--auth-supernode-private-key", self.auth_private_key),
+            ("--auth-supernode-public-key", self.auth_public_key),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+        if (self.auth_private_key is None) != (self.auth_public_key is None):
+            raise ConfigError("SuperNode authentication needs both the private and the public key")
+        return self
+
+
+def bin_path(name: str) -> str:
+    """An entry point of the running environment (flower-supernode, flwr, ...)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def env_with_bin() -> dict[str, str]:
+    """Our environment with the running venv's bin first on PATH (Flower spawns its tools)."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return env
+
+
+class Node:
+    """A running node: the group and the SuperNode, started and stopped together."""
+
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg.validate()
+        self.work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="flower-shard-node-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_dir, 0o700)  # the control socket is for this user only
+        self.address = f"unix:{self.work_dir / 'group.sock'}"
+        self.port = cfg.port or free_port()
+        self.group: ManagedProcess | None = None
+        self.supernode: ManagedProcess | None = None
+
+    def start(self) -> None:
+        try:
+            self._start_group()
+            self._start_supernode()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_group(self) -> None:
+        from flower_shard.clients.group_client import GroupClient, GroupUnavailable
+
+        k = self.cfg.nproc_per_group
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={k}",
+            "-m",
+            "flower_shard.clients.group_service",
+            "--address",
+            self.address,
+            "--work-dir",
+            str(self.work_dir),
+            "--device",
+            self.cfg.device,
+        ]
+        if self.cfg.data:
+            cmd += ["--data", self.cfg.data]
+        if self.cfg.dump_dir:
+            cmd += ["--dump-dir", self.cfg.dump_dir]
+        env = env_with_bin()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // k)))
+        self.group = ManagedProcess("group", cmd, self.work_dir / "group.log", env)
+        client = GroupClient(self.address, connect_timeout=1.0)
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        try:
+            while True:
+                if not self.group.alive():
+                    raise RuntimeError(f"the group exited while starting:\n{self.group.tail()}")
+                try:
+                    if client.health().get("ready"):
+                        return
+                except GroupUnavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the group did not answer in {self.cfg.ready_timeout} s")
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def _start_supernode(self) -> None:
+        cfg = self.cfg
+        cmd = [
+            bin_path("flower-supernode"),
+            "--superlink",
+            cfg.superlink,
+            "--port",
+            str(self.port),
+            "--node-config",
+            f"{P.GROUP_ADDRESS}='{self.address}'",
+        ]
+        cmd += (
+            ["--root-certificates", cfg.root_certificates]
+            if cfg.root_certificates
+            else ["--insecure"]
+        )
+        if cfg.auth_private_key:
+            cmd += [
+                "--auth-supernode-private-key",
+                cfg.auth_private_key,
+                "--auth-supernode-public-key",
+                cfg.auth_public_key,
+            ]
+        self.supernode = ManagedProcess(
+            "supernode", cmd, self.work_dir / "supernode.log", env_with_bin(), cwd=self.work_dir
+        )
+        deadline = time.monotonic() + cfg.ready_timeout
+        while "SuperNode ID" not in self.supernode.tail(200):
+            if not self.supernode.alive():
+                raise RuntimeError(f"flower-supernode exited:\n{self.supernode.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"flower-supernode did not register with {cfg.superlink} in "
+                    f"{cfg.ready_timeout} s:\n{self.supernode.tail()}"
+                )
+            time.sleep(0.2)
+
+    def dead(self) -> str | None:
+        """Which part has died, if any."""
+        for part in (self.group, self.supernode):
+            if part is not None and not part.alive():
+                return f"{part.name} exited with {part.proc.returncode}:\n{part.tail()}"
+        return None
+
+    def stop(self) -> None:
+        for part in (self.supernode, self.group):
+            if part is not None:
+                part.stop()
+
+
+def run_node(cfg: NodeConfig) -> int:
+    """Start a node and keep it until a signal arrives or a part dies."""
+    node = Node(cfg)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        node.start()
+        print(
+            f"flower-shard node: group of {cfg.nproc_per_group} at {node.address}, "
+            f"supernode on port {node.port}, connected to {cfg.superlink}",
+            flush=True,
+        )
+        while not stopping:
+            reason = node.dead()
+            if reason:
+                print(f"flower-shard node: {reason}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        node.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    d = NodeConfig()
+    parser.add_argument("--superlink", default=d.superlink, help="SuperLink HOST:PORT")
+    parser.add_argument(
+        "--nproc-per-group",
+        type=int,
+        default=d.nproc_per_group,
+        help="K: ranks in this node's group",
+    )
+    parser.add_argument("--port", type=int, default=None, help="the SuperNode's local API port")
+    parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
+    parser.add_argument("--data", default=None, help="this node's directory of text files")
+    parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--root-certificates", default=None, help="CA file of a TLS SuperLink")
+    parser.add_argument("--auth-supernode-private-key", dest="auth_private_key", default=None)
+    parser.add_argument("--auth-supernode-public-key", dest="auth_public_key", default=None)
+    parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
+
+
+def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        superlink=args.superlink,
+        nproc_per_group=args.nproc_per_group,
+        port=args.port,
+        work_dir=args.work_dir,
+        data=args.data,
+        device=args.device,
+        root_certificates=args.root_certificates,
+        auth_private_key=args.auth_private_key,
+        auth_public_key=args.auth_public_key,
+        dump_dir=args.dump_dir,
+    )

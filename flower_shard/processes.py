@@ -1,0 +1,105 @@
+"""Processes we start, and stop for sure: their whole tree, including what they detached.
+
+Flower's SuperLink and SuperNode start helpers (SuperExec, ServerApp and ClientApp processes)
+in new sessions, which outlive a plain kill of the parent's process group. So every process
+started here carries a marker in its environment, inherited by everything it spawns; stopping
+kills the process group and then every process on the host that still carries the marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+MARKER = "FLOWER_SHARD_TREE"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment holds ``FLOWER_SHARD_TREE=marker``."""
+    needle = f"{MARKER}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
+class ManagedProcess:
+    """A child process in its own session, with a log file and a marked environment."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        log: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+    ):
+        self.name = name
+        self.marker = uuid.uuid4().hex
+        env = dict(os.environ if env is None else env)
+        env[MARKER] = self.marker
+        self.log_path = Path(log)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the session, wait up to ``grace_s``, then SIGKILL whatever carries the marker."""
+        for pid in [self.proc.pid, *marked_pids(self.marker)]:
+            _signal(pid, signal.SIGTERM, group=pid == self.proc.pid)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (self.alive() or marked_pids(self.marker)):
+            time.sleep(0.1)
+        for pid in [self.proc.pid, *marked_pids(self.marker)]:
+            _signal(pid, signal.SIGKILL, group=pid == self.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._log.close()
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
