@@ -50,10 +50,12 @@ class LocalDeployment:
         nproc_per_group: int = 2,
         dump_dir: str | None = None,
         log: Callable[[str], None] | None = None,
+        fault_files: list[str | None] | None = None,
     ):
         self.work_dir = Path(work_dir).resolve()
         self.num_nodes, self.nproc_per_group, self.dump_dir = num_nodes, nproc_per_group, dump_dir
         self.log = log or (lambda _msg: None)
+        self.fault_files = fault_files or [None] * num_nodes
         self.port = free_port()
         self.superlink: ManagedProcess | None = None
         self.nodes: list[Node] = []
@@ -111,6 +113,7 @@ class LocalDeployment:
                     nproc_per_group=self.nproc_per_group,
                     work_dir=str(self.work_dir / f"node{i}"),
                     dump_dir=self.dump_dir,
+                    fault_file=self.fault_files[i],
                 )
             )
             self.nodes.append(node)

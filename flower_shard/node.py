@@ -47,6 +47,8 @@ class NodeConfig:
     """SuperNode authentication: this node's public key (registered with the SuperLink)."""
     dump_dir: str | None = None
     """Debug: the group writes its weights at each stage of each round here."""
+    fault_file: str | None = None
+    """Fault injection: the group spoils its replies as this file says (tests, drills)."""
     ready_timeout: float = 180.0
     """Seconds to wait for the group and the SuperNode to come up."""
 
@@ -129,6 +131,8 @@ class Node:
             cmd += ["--data", self.cfg.data]
         if self.cfg.dump_dir:
             cmd += ["--dump-dir", self.cfg.dump_dir]
+        if self.cfg.fault_file:
+            cmd += ["--fault-file", self.cfg.fault_file]
         env = env_with_bin()
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // k)))
         self.group = ManagedProcess("group", cmd, self.work_dir / "group.log", env)
@@ -245,6 +249,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-supernode-private-key", dest="auth_private_key", default=None)
     parser.add_argument("--auth-supernode-public-key", dest="auth_public_key", default=None)
     parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:

@@ -37,9 +37,11 @@ class GroupClient:
     ):
         import grpc
 
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout)
+            ready.result(timeout=self.connect_timeout)
         except grpc.FutureTimeoutError:
+            ready.cancel()
             raise GroupUnavailable(
                 f"no flower-shard group answers at {self.address} (waited "
                 f"{self.connect_timeout:.0f} s): start it with `flower-shard node`, or fix the "

@@ -62,11 +62,52 @@ def config_from_message(config: dict, data: str | None, device: str) -> TrainCon
     return cfg.validate()
 
 
+def inject_fault(fault_file: str | None, server_round: int, arrays: dict) -> dict:
+    """Fault injection for tests and drills: spoil the weights this group sends.
+
+    ``fault_file`` holds ``ROUND:KIND`` items separated by commas, read every round (so a
+    running group can be turned bad and good again). KIND: ``nan`` (a non-finite value),
+    ``shape`` (one array loses a row), ``missing`` (one array is left out), ``extra`` (an
+    unexpected array is added), ``huge`` (every value times 1e6).
+    """
+    if not fault_file or not arrays or not os.path.exists(fault_file):
+        return arrays
+    kinds = [
+        item.split(":", 1)[1].strip()
+        for item in Path(fault_file).read_text().split(",")
+        if item.strip() and int(item.split(":", 1)[0]) == server_round
+    ]
+    arrays = dict(arrays)
+    first = next(iter(arrays))
+    for kind in kinds:
+        if kind == "nan":
+            bad = arrays[first].copy()
+            bad.reshape(-1)[0] = np.nan
+            arrays[first] = bad
+        elif kind == "shape":
+            arrays[first] = arrays[first][:-1]
+        elif kind == "missing":
+            arrays.pop(first)
+        elif kind == "extra":
+            arrays["injected.extra"] = np.zeros(3, dtype=np.float32)
+        elif kind == "huge":
+            arrays = {k: v * np.float32(1e6) for k, v in arrays.items()}
+    return arrays
+
+
 class GroupWorker:
     """What every rank of the group holds between rounds: the trainer for the current run."""
 
-    def __init__(self, work_dir: Path, data: str | None, device: str, dump_dir: str | None):
+    def __init__(
+        self,
+        work_dir: Path,
+        data: str | None,
+        device: str,
+        dump_dir: str | None,
+        fault_file: str | None = None,
+    ):
         self.work_dir, self.data, self.device_pref, self.dump_dir = work_dir, data, device, dump_dir
+        self.fault_file = fault_file
         self.device = init_distributed(device)
         self.rank = dist.get_rank()
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -141,10 +182,12 @@ class GroupWorker:
             self.dump(config, "trained")
             stats = self.outer.sync(self.cross_group(config), weight=steps["tokens"])
             metrics |= {P.SYNC_S: stats.seconds, P.SYNC_BYTES: stats.sent_bytes}
+            self.dump(config, "synced")
         else:
             arrays = self.full_weights()
             if self.dump_dir and self.rank == 0:
                 self._save(arrays, config, "trained")
+            arrays = inject_fault(self.fault_file, int(config[P.SERVER_ROUND]), arrays)
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
         return {"metrics": metrics}, arrays
 
@@ -237,7 +280,7 @@ class ControlServer:
 
 def serve(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir)
-    worker = GroupWorker(work_dir, args.data, args.device, args.dump_dir)
+    worker = GroupWorker(work_dir, args.data, args.device, args.dump_dir, args.fault_file)
     server = None
     if worker.rank == 0:
         server = ControlServer(args.address)
@@ -283,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="this node's directory of text files")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dump-dir", default=None, help="debug: write the weights of every round")
+    p.add_argument("--fault-file", default=None, help="fault injection (see inject_fault)")
     args = p.parse_args(argv)
     return serve(args)
 

@@ -1,0 +1,249 @@
+"""Flower integration on a real deployment: flower-superlink, flower-supernode, torchrun groups.
+
+One deployment (SuperLink + 2 nodes of 2 ranks) serves several runs. The groups write their
+weights at each stage of each round (--dump-dir), so every claim is checked against the
+weights that really moved, with references computed here with numpy / plain torch.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from flower_shard import protocol as P
+from flower_shard.deployment import LocalDeployment
+from flower_shard.metrics import read_metrics
+from flower_shard.models import build_model
+from flower_shard.processes import free_port
+
+ROUNDS, T, SEQ, BATCH, SEED = 2, 2, 32, 2, 3
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    work = tmp_path_factory.mktemp("deployment")
+    dump = work / "dump"
+    dump.mkdir()
+    fault = work / "fault"  # node 1's group reads its faults from here (absent: none)
+    with LocalDeployment(
+        work, num_nodes=2, nproc_per_group=2, dump_dir=str(dump), fault_files=[None, str(fault)]
+    ) as dep:
+        dep.dump, dep.fault = dump, fault
+        yield dep
+
+
+def run(dep, out, **extra):
+    for f in dep.dump.iterdir():
+        f.unlink()
+    config = {
+        P.NUM_SERVER_ROUNDS: ROUNDS,
+        P.LOCAL_STEPS: T,
+        P.OUT_DIR: str(out),
+        P.MIN_GROUPS: 1,
+        "model": "tiny",
+        "seq-len": SEQ,
+        "batch-size": BATCH,
+        "seed": SEED,
+        "lr": 3e-3,
+        "eval-sequences": 8,
+        P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+    } | extra
+    summary = dep.run(config, timeout=600)
+    assert summary["status"] == "ok", summary
+    return read_metrics(out)
+
+
+def dumped(dep, group, rnd, stage):
+    return load_file(dep.dump / f"g{group}_r{rnd}_{stage}.safetensors")
+
+
+def initial_global():
+    model = build_model("tiny", 257, SEED, SEQ)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def test_flower_transport_groups_hold_the_exact_global_model(deployment, tmp_path):
+    rounds = run(deployment, tmp_path, transport="flower", **{"outer-optimizer": "nesterov"})
+    assert [r["groups_ok"] for r in rounds] == [2, 2]
+    assert all(r["exchange_bytes"] > 0 and r["eval_ppl"] > 0 for r in rounds)
+
+    # Reference: token-weighted mean in float64, then DiLoCo's Nesterov step in plain torch.
+    expected = initial_global()
+    names = list(expected)
+    weights = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in expected.items()}
+    sgd = torch.optim.SGD(weights.values(), lr=0.7, momentum=0.9, nesterov=True, foreach=False)
+    tokens = T * BATCH * SEQ * 2  # each group: T steps x batch x seq_len x K ranks
+    for rnd in range(1, ROUNDS + 1):
+        for g in (0, 1):  # every group started the round from exactly the global model
+            loaded = dumped(deployment, g, rnd, "loaded")
+            for k in names:
+                assert np.array_equal(loaded[k], expected[k]), f"round {rnd} group {g}: {k}"
+        trained = [dumped(deployment, g, rnd, "trained") for g in (0, 1)]
+        assert not np.array_equal(trained[0][names[0]], trained[1][names[0]])
+        for k in names:
+            mean = (
+                (
+                    tokens * trained[0][k].astype(np.float64)
+                    + tokens * trained[1][k].astype(np.float64)
+                )
+                / (2 * tokens)
+            ).astype(np.float32)
+            weights[k].grad = weights[k].detach() - torch.from_numpy(mean)
+        sgd.step()
+        expected = {k: w.detach().numpy().copy() for k, w in weights.items()}
+    final = load_file(tmp_path / "final_model.safetensors")
+    for k in names:
+        assert np.array_equal(final[k], expected[k]), k
+    assert rounds[-1]["tokens"] == ROUNDS * 2 * tokens
+
+
+def test_collective_transport_averages_shards_without_flower(deployment, tmp_path):
+    rounds = run(deployment, tmp_path, transport="collective")
+    assert [r["exchange_bytes"] for r in rounds] == [0, 0]  # no weights through Flower
+    assert [r["groups_ok"] for r in rounds] == [2, 2]
+    assert all(r["outer_sync_bytes"] > 0 and r["eval_ppl"] > 0 for r in rounds)
+    for rnd in range(1, ROUNDS + 1):
+        trained = [dumped(deployment, g, rnd, "trained") for g in (0, 1)]
+        synced = [dumped(deployment, g, rnd, "synced") for g in (0, 1)]
+        assert not np.array_equal(*(t[next(iter(t))] for t in trained))
+        for k in trained[0]:
+            mean = (trained[0][k] + trained[1][k]) / np.float32(2)
+            assert np.array_equal(synced[0][k], mean) and np.array_equal(synced[1][k], mean), k
+    assert not (tmp_path / "final_model.safetensors").exists()
+
+
+def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployment, tmp_path):
+    deployment.fault.write_text("1:nan,2:shape")
+    # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
+    ghost_dir = tmp_path / "ghost"
+    ghost_dir.mkdir()
+    from flower_shard.node import bin_path
+    from flower_shard.processes import ManagedProcess
+
+    ghost = ManagedProcess(
+        "ghost",
+        [
+            bin_path("flower-supernode"),
+            "--insecure",
+            "--superlink",
+            deployment.address,
+            "--port",
+            str(free_port()),
+            "--node-config",
+            f"{P.GROUP_ADDRESS}='unix:{ghost_dir}/nobody.sock'",
+        ],
+        ghost_dir / "supernode.log",
+        deployment.env(),
+        cwd=ghost_dir,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "SuperNode ID" not in ghost.tail(100) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rounds = run(deployment, tmp_path, transport="flower", **{P.ROUND_TIMEOUT: 120.0})
+    finally:
+        ghost.stop()
+        deployment.fault.unlink()
+    for r, bad in zip(rounds, ("non-finite", "shape")):
+        assert r["groups_ok"] == 1 and r["groups_rejected"] == 2, r
+        reasons = " | ".join(r["rejected"])
+        assert bad in reasons, reasons
+        assert "no flower-shard group answers" in reasons, reasons
+        assert np.isfinite(r["train_loss"]) and np.isfinite(r["eval_ppl"])
+    final = load_file(tmp_path / "final_model.safetensors")
+    assert all(np.isfinite(v).all() for v in final.values())
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_node_stopped_with_sigterm_leaves_no_process(deployment, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flower_shard.cli",
+            "node",
+            "--superlink",
+            deployment.address,
+            "--nproc-per-group",
+            "2",
+            "--work-dir",
+            str(tmp_path / "node"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=deployment.env(),
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "flower-shard node: group of 2" in line, line
+        tree = descendants(proc.pid)
+        assert len(tree) >= 4  # torchrun, 2 ranks, flower-supernode (and its SuperExec)
+        # The group's control socket is private to this user.
+        assert (tmp_path / "node").stat().st_mode & 0o077 == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in tree if running(p)], "processes left behind"
+
+
+def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
+    from flower_shard.clients.group_client import GroupClient, GroupUnavailable
+
+    start = time.monotonic()
+    with pytest.raises(GroupUnavailable, match="no flower-shard group answers"):
+        GroupClient(f"unix:{tmp_path}/missing.sock", connect_timeout=2).call(P.TRAIN, {})
+    assert time.monotonic() - start < 10
+
+
+def test_bad_run_config_fails_with_one_line():
+    from flower_shard.config import ConfigError
+    from flower_shard.federation import FederationConfig
+
+    for bad, message in (
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"local-steps": 0}, "--local-steps"),
+        ({"lcoal-steps": 3}, "unknown run-config keys"),
+        ({"collective-address": "nowhere"}, "HOST:PORT"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            FederationConfig.from_run_config(bad)
+    assert json.dumps(FederationConfig.from_run_config({}).group_config())
