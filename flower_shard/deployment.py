@@ -105,7 +105,7 @@ class LocalDeployment:
         for i in range(self.num_nodes):
             self.log(
                 f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group} "
-                "ranks and flower-supernode"
+                "ranks, then flower-supernode"
             )
             node = Node(
                 NodeConfig(
@@ -117,7 +117,10 @@ class LocalDeployment:
                 )
             )
             self.nodes.append(node)
-            node.start()
+            node.launch_group()  # the groups start side by side
+        for node in self.nodes:
+            node.wait_group()
+            node.start_supernode()
 
     def _wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -38,6 +38,8 @@ class FederationConfig:
     """HOST:PORT where the ServerApp hosts the cross-group rendezvous (collective transport)."""
     poll_interval: float = 0.05
     """Seconds between the strategy's pulls of replies (Flower's default sleeps 3 s)."""
+    group_addresses: str = ""
+    """Simulation only: the groups' addresses, comma-separated, one per virtual client."""
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> FederationConfig:

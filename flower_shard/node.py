@@ -84,6 +84,10 @@ def env_with_bin() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Never let Flower install the app's dependencies into a fresh environment per run: that
+    # would pull a second torch (a CUDA build) instead of using the one installed here.
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     return env
 
 
@@ -100,17 +104,19 @@ class Node:
         self.group: ManagedProcess | None = None
         self.supernode: ManagedProcess | None = None
 
-    def start(self) -> None:
+    def start(self, supernode: bool = True) -> None:
+        """Start the group, wait until it answers, then (optionally) the SuperNode."""
         try:
-            self._start_group()
-            self._start_supernode()
+            self.launch_group()
+            self.wait_group()
+            if supernode:
+                self.start_supernode()
         except BaseException:
             self.stop()
             raise
 
-    def _start_group(self) -> None:
-        from flower_shard.clients.group_client import GroupClient, GroupUnavailable
-
+    def launch_group(self) -> None:
+        """Spawn the group's torchrun job (returns at once; see :meth:`wait_group`)."""
         k = self.cfg.nproc_per_group
         cmd = [
             sys.executable,
@@ -136,6 +142,11 @@ class Node:
         env = env_with_bin()
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // k)))
         self.group = ManagedProcess("group", cmd, self.work_dir / "group.log", env)
+
+    def wait_group(self) -> None:
+        """Wait until the group's control service answers ``Health`` with ready."""
+        from flower_shard.clients.group_client import GroupClient, GroupUnavailable
+
         client = GroupClient(self.address, connect_timeout=1.0)
         deadline = time.monotonic() + self.cfg.ready_timeout
         try:
@@ -153,7 +164,7 @@ class Node:
         finally:
             client.close()
 
-    def _start_supernode(self) -> None:
+    def start_supernode(self) -> None:
         cfg = self.cfg
         cmd = [
             bin_path("flower-supernode"),

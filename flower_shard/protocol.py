@@ -76,6 +76,8 @@ def kebab(field: str) -> str:
 
 # -- node config (flower-supernode --node-config) ------------------------------------------------
 GROUP_ADDRESS = "group-address"
+PARTITION_ID = "partition-id"  # set by Flower's simulation engine for each virtual client
+GROUP_ADDRESSES = "group-addresses"  # run config, simulation: comma-separated, by partition-id
 
 # -- the group's local control service --------------------------------------------------------
 SERVICE = "flower_shard.Group"

@@ -18,7 +18,18 @@ app = ClientApp()
 
 
 def _group(context: Context) -> GroupClient:
+    """The node's group: ``group-address`` (deployment) or entry ``partition-id`` of the run
+    config's ``group-addresses`` (simulation, where virtual clients have no node config)."""
     address = context.node_config.get(P.GROUP_ADDRESS)
+    listed = [a for a in str(context.run_config.get(P.GROUP_ADDRESSES, "")).split(",") if a]
+    if not address and listed and P.PARTITION_ID in context.node_config:
+        pid = int(context.node_config[P.PARTITION_ID])
+        if pid >= len(listed):
+            raise RuntimeError(
+                f"virtual client {pid} has no entry in run config {P.GROUP_ADDRESSES!r} "
+                f"({len(listed)} given): start one group per supernode"
+            )
+        address = listed[pid]
     if not address:
         raise RuntimeError(
             f"node config has no {P.GROUP_ADDRESS!r}: start the node with `flower-shard node`, "
