@@ -47,6 +47,8 @@ class NodeConfig:
     """SuperNode authentication: this node's public key (registered with the SuperLink)."""
     dump_dir: str | None = None
     """Debug: the group writes its weights at each stage of each round here."""
+    poll_interval: float = 0.1
+    """The SuperNode's idle poll in seconds (Flower's own is 3 s; see fast_supernode)."""
     fault_file: str | None = None
     """Fault injection: the group spoils its replies as this file says (tests, drills)."""
     ready_timeout: float = 180.0
@@ -58,6 +60,10 @@ class NodeConfig:
             raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
         if self.nproc_per_group < 1:
             raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
+        if not 0 < self.poll_interval <= 3:
+            raise ConfigError(
+                f"--poll-interval must be in (0, 3] seconds, got {self.poll_interval}"
+            )
         if self.port is not None and not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.data is not None and not Path(self.data).is_dir():
@@ -88,6 +94,8 @@ def env_with_bin() -> dict[str, str]:
     # would pull a second torch (a CUDA build) instead of using the one installed here.
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    # SuperExec (which starts ServerApp / ClientApp processes) polls for work every 1 s.
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
     return env
 
 
@@ -167,7 +175,9 @@ class Node:
     def start_supernode(self) -> None:
         cfg = self.cfg
         cmd = [
-            bin_path("flower-supernode"),
+            sys.executable,
+            "-m",
+            "flower_shard.fast_supernode",
             "--superlink",
             cfg.superlink,
             "--port",
@@ -187,8 +197,10 @@ class Node:
                 "--auth-supernode-public-key",
                 cfg.auth_public_key,
             ]
+        env = env_with_bin()
+        env["FLOWER_SHARD_SUPERNODE_POLL"] = str(cfg.poll_interval)
         self.supernode = ManagedProcess(
-            "supernode", cmd, self.work_dir / "supernode.log", env_with_bin(), cwd=self.work_dir
+            "supernode", cmd, self.work_dir / "supernode.log", env, cwd=self.work_dir
         )
         deadline = time.monotonic() + cfg.ready_timeout
         while "SuperNode ID" not in self.supernode.tail(200):
@@ -259,6 +271,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root-certificates", default=None, help="CA file of a TLS SuperLink")
     parser.add_argument("--auth-supernode-private-key", dest="auth_private_key", default=None)
     parser.add_argument("--auth-supernode-public-key", dest="auth_public_key", default=None)
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=d.poll_interval,
+        help="the SuperNode's idle poll in seconds (Flower's own: 3)",
+    )
     parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
 
