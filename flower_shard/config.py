@@ -48,7 +48,7 @@ class TrainConfig:
     sync_optimizer_state: bool = False
     """Also average AdamW's first and second moments in the outer sync."""
     model: str = "tiny"
-    """Model preset: `tiny`, `small` or `llama3.1-8b` (see flower_shard.models)."""
+    """Model preset: `tiny`, `small`, `base` or `llama3.1-8b` (see flower_shard.models)."""
     data: str | None = None
     """Directory of text files to train on; None means the running Python's standard library."""
     tokenizer: str | None = None

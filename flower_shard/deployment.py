@@ -51,11 +51,13 @@ class LocalDeployment:
         dump_dir: str | None = None,
         log: Callable[[str], None] | None = None,
         fault_files: list[str | None] | None = None,
+        poll_interval: float = 0.1,
     ):
         self.work_dir = Path(work_dir).resolve()
         self.num_nodes, self.nproc_per_group, self.dump_dir = num_nodes, nproc_per_group, dump_dir
         self.log = log or (lambda _msg: None)
         self.fault_files = fault_files or [None] * num_nodes
+        self.poll_interval = poll_interval
         self.port = free_port()
         self.superlink: ManagedProcess | None = None
         self.nodes: list[Node] = []
@@ -114,6 +116,7 @@ class LocalDeployment:
                     work_dir=str(self.work_dir / f"node{i}"),
                     dump_dir=self.dump_dir,
                     fault_file=self.fault_files[i],
+                    poll_interval=self.poll_interval,
                 )
             )
             self.nodes.append(node)

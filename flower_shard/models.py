@@ -58,6 +58,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", 64, 2, 4, 2, 128, BYTE_VOCAB, max_positions=512),
         # ~12.8M parameters: CPU benchmarks.
         ModelPreset("small", 384, 8, 6, 2, 1024, BYTE_VOCAB, max_positions=1024),
+        # ~104M parameters (GPT-2 small's width and depth): transfer benchmarks.
+        ModelPreset("base", 768, 12, 12, 4, 3072, BYTE_VOCAB, max_positions=1024),
         # The real Llama 3.1 8B shape (8.03B parameters).
         ModelPreset(
             "llama3.1-8b",

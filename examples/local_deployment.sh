@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A local Flower deployment on loopback: flower-superlink + 2 nodes (each a torchrun group of 2
+# ranks and a flower-supernode), then `flwr run`. Everything is stopped on exit, also on error
+# or Ctrl-C. Extra arguments go to --run-config, e.g.:
+#   examples/local_deployment.sh "num-server-rounds=5 transport='collective'"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV_BIN="$(pwd)/.venv/bin"
+export PATH="$VENV_BIN:$PATH"
+WORK="$(mktemp -d -t flower-shard-local-XXXXXX)"
+export FLWR_HOME="$WORK/flwr-home"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+mkdir -p "$FLWR_HOME" runs/local
+cp examples/config.toml "$FLWR_HOME/config.toml"
+# Everything started from here inherits this marker, even what Flower detaches (SuperExec,
+# ServerApp): cleanup finds those processes by it.
+export FLOWER_SHARD_TREE="local-$$-$RANDOM"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  for p in /proc/[0-9]*; do
+    pid=${p#/proc/}
+    [ "$pid" = "$$" ] && continue
+    if tr '\0' '\n' < "$p/environ" 2>/dev/null | grep -qx "FLOWER_SHARD_TREE=$FLOWER_SHARD_TREE"; then
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+flower-superlink --insecure --disable-runtime-dependency-installation --port 8000 \
+  > "$WORK/superlink.log" 2>&1 &
+PIDS+=($!)
+until curl -sf http://127.0.0.1:8000/health > /dev/null; do sleep 0.5; done
+
+for i in 0 1; do
+  flower-shard node --superlink 127.0.0.1:8000 --nproc-per-group 2 --work-dir "$WORK/node$i" \
+    > "$WORK/node$i.log" 2>&1 &
+  PIDS+=($!)
+done
+for i in 0 1; do
+  until grep -q "flower-shard node: group" "$WORK/node$i.log"; do sleep 0.5; done
+done
+
+flwr run . local-deployment --run-config "out-dir='$(pwd)/runs/local' min-groups=2 ${1:-}"
+until [ -f runs/local/summary.json ]; do sleep 1; done
+cat runs/local/summary.json
