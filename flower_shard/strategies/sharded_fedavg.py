@@ -251,6 +251,9 @@ class ShardedFedAvg(FedAvg):
             "groups_rejected": len(self._round["rejected"]),
             "rejected": self._round["rejected"],
             "exchange_bytes": sent + received,
+            "push_s": self._round.get("push_s", 0.0),
+            "reply_wait_s": self._round.get("reply_wait_s", 0.0),
+            "group_round_s": group_s,
             "control_overhead_s": max(0.0, round_s - group_s - self._round.get("eval_s", 0.0)),
         }
         if eval_loss is not None:
@@ -279,7 +282,9 @@ class ShardedFedAvg(FedAvg):
 
     def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float):
         """Push, then pull every ``poll-interval`` until all replied or ``timeout`` passed."""
+        start = time.perf_counter()
         pending = set(grid.push_messages(messages))
+        self._round["push_s"] = self._round.get("push_s", 0.0) + time.perf_counter() - start
         replies: list[Message] = []
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
@@ -288,6 +293,7 @@ class ShardedFedAvg(FedAvg):
             pending -= {m.metadata.reply_to_message_id for m in got}
             if pending:
                 time.sleep(self.fed.poll_interval)
+        self._round["reply_wait_s"] = time.perf_counter() - start - self._round["push_s"]
         if pending:
             self._round.setdefault("rejected", []).extend(
                 f"no reply within round-timeout {timeout:.0f} s" for _ in pending
