@@ -26,6 +26,7 @@ import sys
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.demo import add_demo_flags
 from flower_shard.node import add_node_flags
+from flower_shard.planner import add_plan_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "a local Flower deployment (SuperLink, G nodes of K ranks) running FL+FSDP"
     add_demo_flags(sub.add_parser("demo", help=text, description=text))
+
+    text = "rank (G, K, T, sharding) layouts for a cluster with the cost model"
+    add_plan_flags(sub.add_parser("plan", help=text, description=text))
     return parser
 
 
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             from flower_shard.node import node_config_from_args, run_node
 
             return run_node(node_config_from_args(args))
+        if args.command == "plan":
+            from flower_shard.planner import plan_from_args
+
+            return plan_from_args(args)
         if args.command == "demo":
             from flower_shard.demo import demo_from_args
 

@@ -26,6 +26,8 @@ COMPUTE_S = "compute_s"
 OUTER_SYNC_S = "outer_sync_s"
 OUTER_SYNC_BYTES = "outer_sync_bytes"
 OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
+INTRA_BYTES = "intra_bytes_per_rank"  # per round, FSDP/HSDP collectives inside the group
+INTER_BYTE_SHARE = "inter_byte_share"  # outer sync bytes / all bytes a rank sends
 
 REQUIRED_FIELDS = (
     ROUND,

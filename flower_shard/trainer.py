@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from flower_shard import metrics as M
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.costmodel import Layout, Workload, intra_group_bytes
 from flower_shard.data import CorpusInfo, eval_shard, rank_batches
 from flower_shard.distributed import init_distributed, shutdown
-from flower_shard.models import build_model, is_meta, materialize
+from flower_shard.models import build_model, count_parameters, is_meta, materialize
 from flower_shard.outer_sync import OuterSync
 from flower_shard.parallelize import parallelize
 from flower_shard.schedule import warmup_cosine
@@ -129,6 +130,18 @@ class GroupTrainer:
         self.step = 0
         self.round = 0
         self.tokens = 0
+        # Accounting of the intra-group tier: FSDP's collectives have fixed sizes, so the bytes
+        # a rank sends per step follow from the model (flower_shard.costmodel); the outer sync
+        # is measured as it runs.
+        lay = Layout(self.world, 1 if group_index is not None else cfg.groups, cfg.replicate)
+        work = Workload(
+            params=count_parameters(self.model),
+            compute_s=0.0,
+            tokens_per_step=0,
+            param_bytes=2 if cfg.bf16 else 4,
+            grad_bytes=4,
+        )
+        self.intra_step_bytes = sum(intra_group_bytes(work, lay).values())
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -174,6 +187,10 @@ class GroupTrainer:
             M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
             M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
             M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
+            M.INTRA_BYTES: self.intra_step_bytes * self.cfg.local_steps,
+            M.INTER_BYTE_SHARE: _share(
+                stats.sent_bytes if stats else 0, self.intra_step_bytes * self.cfg.local_steps
+            ),
         }
 
     def train_steps(self, n: int) -> dict:
@@ -232,6 +249,10 @@ class GroupTrainer:
 
     def close(self) -> None:
         shutdown()
+
+
+def _share(inter: float, intra: float) -> float:
+    return inter / (inter + intra) if inter + intra else 0.0
 
 
 def dist_sum(value, device: torch.device) -> float:

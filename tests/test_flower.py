@@ -254,11 +254,20 @@ def test_simulation_mode_drives_real_groups(tmp_path):
 
     dump = tmp_path / "dump"
     dump.mkdir()
-    config = {P.NUM_SERVER_ROUNDS: ROUNDS, P.LOCAL_STEPS: T, P.OUT_DIR: str(tmp_path / "out"),
-              P.MIN_GROUPS: 2, "model": "tiny", "seq-len": SEQ, "batch-size": BATCH,
-              "seed": SEED, "eval-sequences": 8}
-    summary = simulate(tmp_path / "work", config, groups=2, nproc_per_group=2,
-                       dump_dir=str(dump), timeout=600)
+    config = {
+        P.NUM_SERVER_ROUNDS: ROUNDS,
+        P.LOCAL_STEPS: T,
+        P.OUT_DIR: str(tmp_path / "out"),
+        P.MIN_GROUPS: 2,
+        "model": "tiny",
+        "seq-len": SEQ,
+        "batch-size": BATCH,
+        "seed": SEED,
+        "eval-sequences": 8,
+    }
+    summary = simulate(
+        tmp_path / "work", config, groups=2, nproc_per_group=2, dump_dir=str(dump), timeout=600
+    )
     assert summary["status"] == "ok"
     rounds = read_metrics(tmp_path / "out")
     assert [r["groups_ok"] for r in rounds] == [2, 2]
@@ -267,5 +276,5 @@ def test_simulation_mode_drives_real_groups(tmp_path):
     for g in (0, 1):
         loaded = load_file(dump / f"g{g}_r2_loaded.safetensors")
         for k, v in loaded.items():
-            mean = ((trained[0][k].astype(np.float64) + trained[1][k].astype(np.float64)) / 2)
+            mean = (trained[0][k].astype(np.float64) + trained[1][k].astype(np.float64)) / 2
             assert np.array_equal(v, mean.astype(np.float32)), k

@@ -1,0 +1,185 @@
+"""A cost model of FL+FSDP / FL+HSDP against FSDP / HSDP on a multi-tier network.
+
+Pure functions, no torch. Notation: N ranks, G groups of K ranks, K = R x S (HSDP replicate x
+shard), P parameters, T local steps per round.
+
+Bytes each rank sends, ring collectives (a ring all-gather or reduce-scatter over n ranks
+moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
+
+- inside a group, per step (FSDP2 with reshard after forward):
+  ``allgathers`` x (S-1)/S x P x param_bytes   (forward and backward all-gathers)
+  + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter)
+  + 2 (R-1)/R x P/S x grad_bytes                 (HSDP: all-reduce of the shards across replicas)
+- between groups, per round: 2 (G-1)/G x P/S x 4 (one flat float32 all-reduce of the shards),
+  so per step C_inter / T.
+
+Times: a collective runs at the bandwidth of the slowest tier its ranks span (intra-node,
+inter-node, inter-site), plus a latency term per ring step, with no overlap with compute
+(an upper bound on the step time; ``overlap`` in [0, 1] hides that fraction of the intra-group
+communication behind compute). Step time = compute + C_intra + C_inter / T. Throughput = N x
+tokens per rank step / step time: the global batch of a group is B_local x K, not B_local x N,
+so each group makes its own progress and throughput counts all N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-tier bandwidth (bytes/s, per link) and latency (s), and how ranks map onto tiers."""
+
+    ranks_per_node: int = 8
+    nodes_per_site: int = 1 << 30
+    """Nodes in one site; a collective over more ranks than a site holds crosses sites."""
+    intra_node_bw: float = 300e9
+    inter_node_bw: float = 25e9
+    inter_site_bw: float = 1.25e9
+    intra_node_lat: float = 5e-6
+    inter_node_lat: float = 20e-6
+    inter_site_lat: float = 1e-3
+
+    def tier(self, span: int, stride: int = 1) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective over ``span`` ranks ``stride`` apart.
+
+        Ranks are laid out node by node, site by site; the collective touches ranks
+        ``0, stride, ..., (span-1) * stride``.
+        """
+        extent = (span - 1) * stride + 1
+        if extent <= self.ranks_per_node:
+            return self.intra_node_bw, self.intra_node_lat
+        if extent <= self.ranks_per_node * self.nodes_per_site:
+            return self.inter_node_bw, self.inter_node_lat
+        return self.inter_site_bw, self.inter_site_lat
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the per-rank step."""
+
+    params: int
+    """P: parameters of the model."""
+    compute_s: float
+    """Seconds of forward + backward + optimizer per step on one rank, communication excluded."""
+    tokens_per_step: int
+    """Tokens one rank processes per step (B_local x seq_len)."""
+    param_bytes: int = 4
+    """Bytes per parameter in the all-gathers (2 with bf16 compute)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element in the reduce-scatter / all-reduce."""
+    allgathers: float = 2.0
+    """All-gathers of every parameter per step (2 with reshard after forward)."""
+    overlap: float = 0.0
+    """Fraction of the intra-group communication hidden behind compute."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees: N = G x K, K = R x S."""
+
+    world: int
+    groups: int = 1
+    replicate: int = 1
+    local_steps: int = 1
+
+    @property
+    def group_size(self) -> int:
+        return self.world // self.groups
+
+    @property
+    def shard(self) -> int:
+        return self.group_size // self.replicate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    intra_s: float
+    """Intra-group communication per step (after overlap)."""
+    inter_s: float
+    """Inter-group exchange per step (C_inter / T)."""
+    intra_bytes: float
+    """Bytes each rank sends inside its group per step."""
+    inter_bytes: float
+    """Bytes each rank sends to other groups per step (per round / T)."""
+    tokens_per_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def comm_share(self) -> float:
+        return (self.intra_s + self.inter_s) / self.step_s
+
+    @property
+    def inter_byte_share(self) -> float:
+        total = self.intra_bytes + self.inter_bytes
+        return self.inter_bytes / total if total else 0.0
+
+
+def ring_fraction(n: int) -> float:
+    """Fraction of the tensor a rank sends in a ring all-gather / reduce-scatter over n ranks."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def intra_group_bytes(w: Workload, lay: Layout) -> dict[str, float]:
+    """Bytes each rank sends inside its group in one step, per collective."""
+    s, r = lay.shard, lay.replicate
+    shard_bytes = w.params * w.grad_bytes / s
+    return {
+        "allgather": w.allgathers * ring_fraction(s) * w.params * w.param_bytes,
+        "reduce_scatter": ring_fraction(s) * w.params * w.grad_bytes,
+        "replicate_allreduce": 2 * ring_fraction(r) * shard_bytes,
+    }
+
+
+def outer_sync_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes each rank sends in one outer sync (float32 shards, ring all-reduce over G)."""
+    return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.shard
+
+
+def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
+    return 0.0 if n <= 1 or nbytes == 0 else nbytes / bw + steps_per_rank * (n - 1) * lat
+
+
+def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
+    """Step time, communication and throughput of one layout."""
+    if lay.world % lay.groups or lay.group_size % lay.replicate:
+        raise ValueError(f"invalid layout {lay}: need N = G x K and K = R x S")
+    s, r, g = lay.shard, lay.replicate, lay.groups
+    b = intra_group_bytes(w, lay)
+    # Shard dim: S consecutive ranks; replicate dim: R ranks S apart; groups: G ranks K apart.
+    bw_s, lat_s = net.tier(s)
+    bw_r, lat_r = net.tier(r, stride=s)
+    bw_g, lat_g = net.tier(g, stride=lay.group_size)
+    intra = (
+        _collective_s(b["allgather"], s, bw_s, lat_s, int(round(w.allgathers)))
+        + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 1)
+        + _collective_s(b["replicate_allreduce"], r, bw_r, lat_r, 2)
+    ) * (1.0 - w.overlap)
+    inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, 2) / lay.local_steps
+    step = w.compute_s + intra + inter
+    return Prediction(
+        step_s=step,
+        intra_s=intra,
+        inter_s=inter,
+        intra_bytes=sum(b.values()),
+        inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
+        tokens_per_s=lay.world * w.tokens_per_step / step,
+        extra={"bytes": b},
+    )
+
+
+def speedup(w: Workload, fl: Layout, net: Network) -> float:
+    """Throughput of ``fl`` over the same N ranks as one FSDP/HSDP job (G = 1, T = 1)."""
+    base = Layout(world=fl.world, groups=1, replicate=fl.replicate, local_steps=1)
+    return predict(w, fl, net).tokens_per_s / predict(w, base, net).tokens_per_s
+
+
+def llama_params(
+    hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, tied: bool = False
+) -> int:
+    """Parameters of a Llama decoder (no biases; RMSNorm weights included)."""
+    head_dim = hidden // heads
+    attn = hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim
+    block = attn + 3 * hidden * mlp + 2 * hidden
+    return layers * block + vocab * hidden * (1 if tied else 2) + hidden

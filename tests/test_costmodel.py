@@ -1,0 +1,123 @@
+"""The cost model against hand-computed cases, and against a real run's byte counts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flower_shard import metrics as M
+from flower_shard.costmodel import (
+    Layout,
+    Network,
+    Workload,
+    intra_group_bytes,
+    llama_params,
+    outer_sync_bytes,
+    predict,
+    speedup,
+)
+from flower_shard.models import build_model, count_parameters
+
+GB = 1e9
+
+
+def test_llama_parameter_count_matches_the_built_models():
+    assert llama_params(4096, 32, 32, 8, 14336, 128256) == 8_030_261_248
+    assert llama_params(64, 2, 4, 2, 128, 257) == count_parameters(build_model("tiny"))
+
+
+def test_bytes_by_hand():
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    # FSDP, K = S = 4: two all-gathers of 3/4 x 4000 B, one reduce-scatter of 3/4 x 4000 B.
+    b = intra_group_bytes(w, Layout(world=8, groups=2))
+    assert b == {"allgather": 6000.0, "reduce_scatter": 3000.0, "replicate_allreduce": 0.0}
+    # HSDP K = 4 = R 2 x S 2: gathers over 2 ranks, then all-reduce of the 2000 B shard.
+    b = intra_group_bytes(w, Layout(world=8, groups=2, replicate=2))
+    assert b == {"allgather": 4000.0, "reduce_scatter": 2000.0, "replicate_allreduce": 2000.0}
+    # Outer sync over G = 2 of a 1000 B shard (P/S x 4 B): 2 x 1/2 x 1000.
+    assert outer_sync_bytes(w, Layout(world=8, groups=2)) == 1000.0
+    assert outer_sync_bytes(w, Layout(world=8, groups=1)) == 0.0
+
+
+def test_times_by_hand_and_c_total():
+    # Two nodes of 4 ranks, one site; no latency so the arithmetic is exact.
+    net = Network(
+        ranks_per_node=4,
+        intra_node_bw=1000.0,
+        inter_node_bw=100.0,
+        intra_node_lat=0,
+        inter_node_lat=0,
+        inter_site_lat=0,
+    )
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    fsdp = predict(w, Layout(world=8), net)  # S = 8 spans both nodes: 100 B/s
+    assert fsdp.intra_bytes == 2 * 7 / 8 * 4000 + 7 / 8 * 4000
+    assert fsdp.intra_s == pytest.approx(fsdp.intra_bytes / 100.0)
+    assert fsdp.inter_s == 0 and fsdp.step_s == pytest.approx(1.0 + fsdp.intra_s)
+    # FL+FSDP, G = 2 groups = the 2 nodes, T = 4: C_total = C_intra + C_inter / T.
+    fl = predict(w, Layout(world=8, groups=2, local_steps=4), net)
+    assert fl.intra_s == pytest.approx(9000 / 1000.0)
+    assert fl.inter_s == pytest.approx((2 * 0.5 * 1000 / 100.0) / 4)
+    assert fl.step_s == pytest.approx(1.0 + fl.intra_s + fl.inter_s)
+    # B_global = B_local x K per group; throughput counts all N ranks.
+    assert fl.tokens_per_s == pytest.approx(8 * 10 / fl.step_s)
+    assert speedup(w, Layout(world=8, groups=2, local_steps=4), net) == pytest.approx(
+        fsdp.step_s / fl.step_s
+    )
+    assert fl.inter_byte_share == pytest.approx(fl.inter_bytes / (fl.inter_bytes + 9000))
+
+
+def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
+    w = Workload(params=10**8, compute_s=0.5, tokens_per_step=4096)
+    net = Network(ranks_per_node=4, nodes_per_site=2, inter_site_bw=0.1 * GB)
+    steps = [predict(w, Layout(16, 2, 1, t), net).step_s for t in (1, 2, 4, 8, 16)]
+    assert steps == sorted(steps, reverse=True)
+    assert speedup(w, Layout(16, 2, 1, 8), net) > 2  # FSDP across sites is link-bound
+    with pytest.raises(ValueError, match="invalid layout"):
+        predict(w, Layout(world=10, groups=3), net)
+
+
+def test_outer_sync_bytes_match_a_real_run(tmp_path):
+    """The bytes the runtime reports for its outer sync are what the cost model predicts."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flower_shard.cli",
+            "train",
+            "--groups",
+            "2",
+            "--nproc-per-group",
+            "2",
+            "--local-steps",
+            "1",
+            "--rounds",
+            "1",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record,) = M.read_metrics(out)
+    params = count_parameters(build_model("tiny"))
+    w = Workload(params=params, compute_s=1.0, tokens_per_step=64)
+    lay = Layout(world=4, groups=2)
+    # FSDP2 pads uneven shards; the runtime sends each rank's real shard, so the model's
+    # P/S is exact up to the rounding of the split (a few elements per tensor).
+    assert record[M.OUTER_SYNC_BYTES] == pytest.approx(outer_sync_bytes(w, lay), rel=0.01)
+    assert record["intra_bytes_per_rank"] == pytest.approx(
+        record[M.STEP] * sum(intra_group_bytes(w, lay).values())
+    )
