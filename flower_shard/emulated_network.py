@@ -1,0 +1,149 @@
+"""A multi-tier network on one machine: sites as network namespaces, slow links between them.
+
+Each site is a network namespace with its own loopback (the fast tier: ranks of one site talk
+over it). The sites are joined by veth pairs to a bridge in the root namespace, and each site's
+veth sends through a ``tc tbf`` rate limiter (the slow, inter-site tier; netem is not
+available here, tbf is). Traffic stays inside namespaces this object made; it removes them on
+exit, on Ctrl-C and at interpreter exit, also when the caller fails.
+
+Counters: :meth:`site_bytes` reads, per site, the bytes it sent to other sites (its veth) and
+the bytes its ranks sent each other (its loopback).
+
+Needs root (``ip netns``); :func:`available` tells whether this machine can do it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+
+def available() -> bool:
+    """True if network namespaces, veth, bridges and tbf can be used here."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    name = f"fsprobe{os.getpid() % 100000}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def _sh(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+
+
+class EmulatedNetwork:
+    """``sites`` namespaces on one bridge; each site's uplink is limited to ``rate_mbit``."""
+
+    def __init__(self, sites: int = 2, rate_mbit: float = 1000.0):
+        if sites < 1 or rate_mbit <= 0:
+            raise ValueError("need sites >= 1 and rate_mbit > 0")
+        self.sites, self.rate_mbit = sites, rate_mbit
+        tag = f"{os.getpid() % 10000:04d}{random.randint(0, 99):02d}"
+        self.bridge = f"fsbr{tag}"
+        self.namespaces = [f"fs{tag}s{i}" for i in range(sites)]
+        self.host_ends = [f"fsh{tag}{i}" for i in range(sites)]
+        self.site_ends = [f"fss{tag}{i}" for i in range(sites)]
+        self.subnet = f"10.213.{random.randint(0, 255)}"
+        self.addresses = [f"{self.subnet}.{i + 1}" for i in range(sites)]
+        self._up = False
+
+    def __enter__(self) -> EmulatedNetwork:
+        atexit.register(self.close)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        self._up = True
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "link", "set", self.bridge, "up")
+        for ns, host, site, addr in zip(
+            self.namespaces, self.host_ends, self.site_ends, self.addresses
+        ):
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", host, "type", "veth", "peer", "name", site)
+            _sh("ip", "link", "set", site, "netns", ns)
+            _sh("ip", "link", "set", host, "master", self.bridge)
+            _sh("ip", "link", "set", host, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", site)
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", site, "up")
+            self.set_rate(self.rate_mbit, ns, site, add=True)
+
+    def set_rate(
+        self, rate_mbit: float, ns: str | None = None, dev: str | None = None, add: bool = False
+    ) -> None:
+        """(Re)shape the uplink of one site, or of all sites, to ``rate_mbit`` Mbit/s."""
+        targets = [(ns, dev)] if ns else list(zip(self.namespaces, self.site_ends))
+        burst = max(32_000, int(rate_mbit * 1e6 / 8 / 250))  # ~4 ms of traffic
+        for n, d in targets:
+            _sh(
+                "ip",
+                "netns",
+                "exec",
+                n,
+                "tc",
+                "qdisc",
+                "add" if add else "replace",
+                "dev",
+                d,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
+        self.rate_mbit = rate_mbit
+
+    def prefix(self, site: int) -> list[str]:
+        """The command prefix that runs a command inside a site."""
+        return ["ip", "netns", "exec", self.namespaces[site]]
+
+    def site_bytes(self) -> list[dict[str, int]]:
+        """Per site: bytes sent to other sites (``inter``) and among its own ranks (``intra``)."""
+        out = []
+        for ns, host in zip(self.namespaces, self.host_ends):
+            inter = int(Path(f"/sys/class/net/{host}/statistics/rx_bytes").read_text())
+            lo = subprocess.run(
+                ["ip", "netns", "exec", ns, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            out.append({"inter": inter, "intra": int(lo)})
+        return out
+
+    def close(self) -> None:
+        if not self._up:
+            return
+        for ns in self.namespaces:
+            # Processes still inside a namespace keep it alive: end them first.
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for host in self.host_ends:
+            subprocess.run(["ip", "link", "del", host], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self._up = False
