@@ -1,0 +1,301 @@
+"""FL+FSDP vs FSDP on an emulated two-site network, side by side, with the cost model's prediction.
+
+Two sites, each a network namespace holding K ranks (one torchrun node); inside a site the
+ranks talk over the namespace's loopback, between sites through a tbf-limited link. Same model,
+data, seed, per-rank batch and number of steps for every configuration:
+
+- FSDP: one group of all 2K ranks spanning both sites (every all-gather crosses the slow link);
+- FL+FSDP (collective transport): 2 groups = the 2 sites, outer sync every T steps.
+
+FL runs get twice FSDP's steps, so that they are still training at FSDP's wall-clock budget.
+Figures per configuration (median over repeats, with min and max): tokens/s, the fraction of
+time in the inter-group exchange, the inter-site share of all bytes (interface counters), eval
+perplexity at FSDP's token count and at FSDP's wall-clock budget (evaluations every 4 steps),
+the isolated-groups limit (the FL groups' own step throughput, no exchange), and the cost
+model's predicted speed-up next to the measured one.
+
+    sudo .venv/bin/python bench/multitier.py                       # the sweep in bench/RESULTS.md
+    .venv/bin/python bench/multitier.py --smoke                   # seconds: what the tests run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flower_shard.config import TrainConfig
+from flower_shard.costmodel import Layout, Network, Workload, predict
+from flower_shard.data import prepare_corpus
+from flower_shard.emulated_network import EmulatedNetwork, available
+from flower_shard.metrics import read_metrics
+from flower_shard.models import build_model, count_parameters
+from flower_shard.node import env_with_bin
+from flower_shard.processes import ManagedProcess, free_port
+
+HERE = Path(__file__).parent
+
+
+def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Path) -> dict:
+    """Run one configuration across the sites; return its metrics and the bytes per tier."""
+    out = work / f"g{cfg.groups}_t{cfg.local_steps}"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, out=str(out), nnodes=net.sites, quiet=True)
+    (out / "data").unlink(missing_ok=True)
+    (out / "data").symlink_to(data_dir)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    cfg.to_json(out / "config.json")
+    port = free_port()
+    env = env_with_bin()
+    env["OMP_NUM_THREADS"] = "1"
+    before = net.site_bytes()
+    start = time.perf_counter()
+    procs = []
+    for site in range(net.sites):
+        cmd = net.prefix(site) + [
+            "env",
+            f"GLOO_SOCKET_IFNAME={net.site_ends[site]}",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={net.sites}",
+            f"--node-rank={site}",
+            f"--nproc-per-node={cfg.world_size // net.sites}",
+            f"--master-addr={net.addresses[0]}",
+            f"--master-port={port}",
+            "-m",
+            "flower_shard.trainer",
+            str(out / "config.json"),
+        ]
+        procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
+    try:
+        for p in procs:
+            if p.proc.wait(timeout=3600) != 0:
+                raise RuntimeError(f"{p.name} failed:\n{p.tail(30)}")
+    finally:
+        for p in procs:
+            p.stop()
+    wall = time.perf_counter() - start
+    after = net.site_bytes()
+    inter = sum(a["inter"] - b["inter"] for a, b in zip(after, before))
+    intra = sum(a["intra"] - b["intra"] for a, b in zip(after, before))
+    return {
+        "metrics": read_metrics(out),
+        "inter_bytes": inter,
+        "intra_bytes": intra,
+        "wall_s": wall,
+    }
+
+
+def summarise(run: dict, tokens_per_step: int) -> dict:
+    recs = run["metrics"]
+    steady = recs[1:] if len(recs) > 1 else recs  # the first round pays start-up
+    train_s = sum(r["round_s"] for r in steady)
+    tokens = sum(r["round_s"] * r["tokens_per_s"] for r in steady)
+    compute = sum(r["compute_s"] for r in steady)
+    evals = [
+        (sum(x["round_s"] for x in recs[: i + 1]), r["tokens"], r["eval_ppl"])
+        for i, r in enumerate(recs)
+        if r.get("eval_ppl") is not None
+    ]
+    return {
+        "tokens_per_s": tokens / train_s,
+        "isolated_tokens_per_s": tokens / compute,
+        "exchange_share": sum(r["outer_sync_s"] for r in steady) / train_s,
+        "inter_byte_share": run["inter_bytes"] / max(1, run["inter_bytes"] + run["intra_bytes"]),
+        "inter_bytes": run["inter_bytes"],
+        "intra_bytes": run["intra_bytes"],
+        "compute_s_per_step": compute / max(1, recs[-1]["step"] - recs[0]["step"])
+        if len(recs) > 1
+        else compute / recs[0]["step"],
+        "final_ppl": recs[-1].get("eval_ppl"),
+        "evals": evals,
+    }
+
+
+def ppl_at(evals: list, *, seconds: float | None = None, tokens: int | None = None):
+    """Eval perplexity of the last evaluation within a training-time or a token budget."""
+    done = [
+        ppl
+        for t, tok, ppl in evals
+        if (seconds is None or t <= seconds * 1.0001) and (tokens is None or tok <= tokens)
+    ]
+    return done[-1] if done else None
+
+
+def predicted_speedup(
+    params: int, compute_s: float, tokens: int, rate_mbit: float, k: int, t: int
+) -> float:
+    net = Network(
+        ranks_per_node=k,
+        nodes_per_site=1,
+        intra_node_bw=2e9,
+        inter_node_bw=rate_mbit * 1e6 / 8,
+        inter_site_bw=rate_mbit * 1e6 / 8,
+        intra_node_lat=0,
+        inter_node_lat=0,
+        inter_site_lat=0,
+    )
+    w = Workload(params=params, compute_s=compute_s, tokens_per_step=tokens)
+    fl = predict(w, Layout(2 * k, 2, 1, t), net)
+    base = predict(w, Layout(2 * k, 1, 1, 1), net)
+    return fl.tokens_per_s / base.tokens_per_s
+
+
+def med(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--ranks-per-site", type=int, default=2)
+    p.add_argument("--rates-mbit", default="200,1000")
+    p.add_argument("--local-steps", default="1,2,4,8,16")
+    p.add_argument("--steps", type=int, default=32, help="inner steps per run (equal tokens)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
+    p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
+    args = p.parse_args()
+    if args.smoke:
+        args.model, args.rates_mbit, args.local_steps = "tiny", "100", "4"
+        args.steps, args.repeats, args.seq_len = 8, 1, 32
+    if not available():
+        raise SystemExit("multitier: needs root and `ip netns` (network namespaces) on Linux")
+    rates = [float(r) for r in args.rates_mbit.split(",")]
+    ts = [int(t) for t in args.local_steps.split(",")]
+    k = args.ranks_per_site
+    tokens_per_step = args.batch_size * args.seq_len
+    params = count_parameters(build_model(args.model))
+    base_cfg = TrainConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        eval_sequences=16,
+        seed=0,
+        lr=1e-3,
+    )
+    results = {"config": vars(args), "params": params, "rates": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = work / "corpus"
+        prepare_corpus(data)
+        for rate in rates:
+            samples: dict[str, list[dict]] = {}
+            with EmulatedNetwork(2, rate) as net:
+                for rep in range(args.repeats):
+                    configs = [
+                        (
+                            "fsdp",
+                            dataclasses.replace(
+                                base_cfg,
+                                groups=1,
+                                nproc_per_group=2 * k,
+                                local_steps=4,
+                                rounds=args.steps // 4,
+                                eval_every=1,
+                            ),
+                        )
+                    ]
+                    configs += [
+                        (
+                            f"fl-fsdp T={t}",
+                            dataclasses.replace(
+                                # Twice the steps: FL is still training at FSDP's wall-clock budget.
+                                base_cfg,
+                                groups=2,
+                                nproc_per_group=k,
+                                local_steps=t,
+                                rounds=max(1, 2 * args.steps // t),
+                                eval_every=max(1, 4 // t),
+                            ),
+                        )
+                        for t in ts
+                    ]
+                    if rep % 2:
+                        configs.reverse()
+                    for name, cfg in configs:
+                        s = summarise(run_config(net, cfg, data, work), tokens_per_step)
+                        samples.setdefault(name, []).append(s)
+                        print(
+                            f"{rate:g} Mbit/s repeat {rep + 1} {name:12s} "
+                            f"{s['tokens_per_s']:8.0f} tok/s  exchange "
+                            f"{100 * s['exchange_share']:5.1f}%  inter bytes "
+                            f"{100 * s['inter_byte_share']:5.1f}%  ppl {s['final_ppl']:.2f}",
+                            flush=True,
+                        )
+            results["rates"][str(rate)] = aggregate(samples, params, tokens_per_step, rate, k)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+
+
+def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: int) -> dict:
+    fsdp = samples["fsdp"]
+    out = {}
+    for name, runs in samples.items():
+        speed = [r["tokens_per_s"] / f["tokens_per_s"] for r, f in zip(runs, fsdp)]
+        budget = [f["evals"][-1][0] if f["evals"] else None for f in fsdp]
+        entry = {
+            "tokens_per_s": med([r["tokens_per_s"] for r in runs]),
+            "speedup_vs_fsdp": med(speed),
+            "exchange_share": med([r["exchange_share"] for r in runs]),
+            "inter_byte_share": med([r["inter_byte_share"] for r in runs]),
+            "ppl_equal_tokens": med(
+                [
+                    ppl_at(r["evals"], tokens=f["evals"][-1][1])
+                    for r, f in zip(runs, fsdp)
+                    if f["evals"]
+                ]
+            ),
+            "ppl_at_fsdp_time": med(
+                [ppl_at(r["evals"], seconds=b) for r, b in zip(runs, budget) if b is not None]
+            ),
+            "isolated_tokens_per_s": med([r["isolated_tokens_per_s"] for r in runs]),
+        }
+        if name != "fsdp":
+            t = int(name.split("=")[1])
+            iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
+            entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
+            compute = statistics.median(r["compute_s_per_step"] for r in runs)
+            entry["predicted_speedup"] = predicted_speedup(
+                params, compute, tokens_per_step, rate, k, t
+            )
+        out[name] = entry
+    return out
+
+
+def print_table(results: dict) -> None:
+    print(
+        f"\n{'rate':>9s} {'config':14s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
+        f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s}"
+    )
+    for rate, entries in results["rates"].items():
+        for name, e in entries.items():
+            pred = e.get("predicted_speedup")
+            frac = e.get("fraction_of_isolated")
+            pt = e["ppl_at_fsdp_time"]["median"]
+            print(
+                f"{float(rate):7g}Mb {name:14s} {e['tokens_per_s']['median']:8.0f} "
+                f"{e['speedup_vs_fsdp']['median']:8.2f}x "
+                f"{(f'{pred:8.2f}x' if pred else '        -')} "
+                f"{100 * e['exchange_share']['median']:7.1f}% "
+                f"{100 * e['inter_byte_share']['median']:7.1f}% "
+                f"{(f'{100 * frac:7.0f}%' if frac else '       -')} "
+                f"{e['ppl_equal_tokens']['median']:8.2f} "
+                f"{(f'{pt:8.2f}' if pt else '       -')}"
+            )
+
+
+if __name__ == "__main__":
+    main()
