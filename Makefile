@@ -22,7 +22,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check flower_shard tests bench
 
 bench: $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev,bench]'
 	$(VENV)/bin/python bench/overhead.py
+	$(VENV)/bin/python bench/multitier.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from flower_shard.config import TrainConfig
-from flower_shard.costmodel import Layout, Network, Workload, predict
+from flower_shard.costmodel import Layout, Network, Workload, outer_sync_bytes, predict
 from flower_shard.data import prepare_corpus
 from flower_shard.emulated_network import EmulatedNetwork, available
 from flower_shard.metrics import read_metrics
@@ -92,6 +92,50 @@ def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Pat
     }
 
 
+def make_configs(base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: bool) -> list:
+    """(name, config) pairs: the baseline over both sites, then one group per site per T.
+
+    HSDP: the baseline shards inside a site and replicates across the two sites (R = 2);
+    FL+HSDP groups are sites with R = 2, S = k / 2 inside.
+    FL runs get twice the steps: they are still training at the baseline's wall-clock budget.
+    """
+    kinds = [("fsdp", 1, 1)] + ([("hsdp", 2, 2)] if hsdp else [])
+    out = []
+    for kind, r_base, r_fl in kinds:
+        out.append(
+            (
+                kind,
+                dataclasses.replace(
+                    base,
+                    groups=1,
+                    nproc_per_group=2 * k,
+                    sharding=kind,
+                    replicate=r_base,
+                    local_steps=4,
+                    rounds=steps // 4,
+                    eval_every=1,
+                ),
+            )
+        )
+        out += [
+            (
+                f"fl-{kind} T={t}",
+                dataclasses.replace(
+                    base,
+                    groups=2,
+                    nproc_per_group=k,
+                    sharding=kind,
+                    replicate=r_fl,
+                    local_steps=t,
+                    rounds=max(1, 2 * steps // t),
+                    eval_every=max(1, 4 // t),
+                ),
+            )
+            for t in ts
+        ]
+    return out
+
+
 def summarise(run: dict, tokens_per_step: int) -> dict:
     recs = run["metrics"]
     steady = recs[1:] if len(recs) > 1 else recs  # the first round pays start-up
@@ -115,6 +159,7 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         else compute / recs[0]["step"],
         "final_ppl": recs[-1].get("eval_ppl"),
         "evals": evals,
+        "rounds": len(recs),
     }
 
 
@@ -129,7 +174,13 @@ def ppl_at(evals: list, *, seconds: float | None = None, tokens: int | None = No
 
 
 def predicted_speedup(
-    params: int, compute_s: float, tokens: int, rate_mbit: float, k: int, t: int
+    params: int,
+    compute_s: float,
+    tokens: int,
+    rate_mbit: float,
+    k: int,
+    t: int,
+    hsdp: bool = False,
 ) -> float:
     net = Network(
         ranks_per_node=k,
@@ -142,8 +193,9 @@ def predicted_speedup(
         inter_site_lat=0,
     )
     w = Workload(params=params, compute_s=compute_s, tokens_per_step=tokens)
-    fl = predict(w, Layout(2 * k, 2, 1, t), net)
-    base = predict(w, Layout(2 * k, 1, 1, 1), net)
+    r = 2 if hsdp else 1
+    fl = predict(w, Layout(2 * k, 2, r, t), net)
+    base = predict(w, Layout(2 * k, 1, r, 1), net)
     return fl.tokens_per_s / base.tokens_per_s
 
 
@@ -164,6 +216,11 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="also HSDP vs FL+HSDP (use --ranks-per-site 4 for S >= 2)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
     args = p.parse_args()
@@ -194,34 +251,7 @@ def main() -> None:
             samples: dict[str, list[dict]] = {}
             with EmulatedNetwork(2, rate) as net:
                 for rep in range(args.repeats):
-                    configs = [
-                        (
-                            "fsdp",
-                            dataclasses.replace(
-                                base_cfg,
-                                groups=1,
-                                nproc_per_group=2 * k,
-                                local_steps=4,
-                                rounds=args.steps // 4,
-                                eval_every=1,
-                            ),
-                        )
-                    ]
-                    configs += [
-                        (
-                            f"fl-fsdp T={t}",
-                            dataclasses.replace(
-                                # Twice the steps: FL is still training at FSDP's wall-clock budget.
-                                base_cfg,
-                                groups=2,
-                                nproc_per_group=k,
-                                local_steps=t,
-                                rounds=max(1, 2 * args.steps // t),
-                                eval_every=max(1, 4 // t),
-                            ),
-                        )
-                        for t in ts
-                    ]
+                    configs = make_configs(base_cfg, k, ts, args.steps, args.hsdp)
                     if rep % 2:
                         configs.reverse()
                     for name, cfg in configs:
@@ -238,17 +268,73 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    plot(results, Path(args.out).with_suffix(".png"))
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speed-up (measured and predicted) against T, one line per inter-site rate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("multitier: matplotlib is not installed (pip install '.[bench]'): no plot")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for rate, entries in results["rates"].items():
+        fl = sorted(
+            (int(n.split("=")[1]), e) for n, e in entries.items() if n.startswith("fl-fsdp")
+        )
+        ts = [t for t, _ in fl]
+        line = ax1.plot(
+            ts,
+            [e["speedup_vs_baseline"]["median"] for _, e in fl],
+            "o-",
+            label=f"measured, {float(rate):g} Mbit/s",
+        )[0]
+        ax1.plot(
+            ts,
+            [e["predicted_speedup"] for _, e in fl],
+            "x--",
+            color=line.get_color(),
+            label=f"cost model, {float(rate):g} Mbit/s",
+        )
+        ax2.plot(
+            ts,
+            [100 * e["inter_byte_share"]["median"] for _, e in fl],
+            "o-",
+            color=line.get_color(),
+            label=f"FL+FSDP, {float(rate):g} Mbit/s",
+        )
+        ax2.axhline(
+            100 * entries["fsdp"]["inter_byte_share"]["median"],
+            ls=":",
+            color=line.get_color(),
+            label=f"FSDP, {float(rate):g} Mbit/s",
+        )
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (local steps per round)")
+        ax.legend(fontsize=7)
+    ax1.set_ylabel("tokens/s, FL+FSDP / FSDP")
+    ax2.set_ylabel("inter-site share of bytes (%)")
+    fig.suptitle("FL+FSDP vs FSDP, 2 emulated sites")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"multitier: plot in {path}")
 
 
 def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: int) -> dict:
-    fsdp = samples["fsdp"]
     out = {}
     for name, runs in samples.items():
+        kind = "hsdp" if "hsdp" in name else "fsdp"
+        fsdp = samples[kind]  # the baseline of the same sharding
         speed = [r["tokens_per_s"] / f["tokens_per_s"] for r, f in zip(runs, fsdp)]
         budget = [f["evals"][-1][0] if f["evals"] else None for f in fsdp]
         entry = {
             "tokens_per_s": med([r["tokens_per_s"] for r in runs]),
-            "speedup_vs_fsdp": med(speed),
+            "speedup_vs_baseline": med(speed),
             "exchange_share": med([r["exchange_share"] for r in runs]),
             "inter_byte_share": med([r["inter_byte_share"] for r in runs]),
             "ppl_equal_tokens": med(
@@ -258,18 +344,27 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
                     if f["evals"]
                 ]
             ),
-            "ppl_at_fsdp_time": med(
+            "ppl_at_baseline_time": med(
                 [ppl_at(r["evals"], seconds=b) for r, b in zip(runs, budget) if b is not None]
             ),
             "isolated_tokens_per_s": med([r["isolated_tokens_per_s"] for r in runs]),
+            "inter_bytes": med([r["inter_bytes"] for r in runs]),
         }
-        if name != "fsdp":
+        if name.startswith("fl-"):
             t = int(name.split("=")[1])
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["predicted_speedup"] = predicted_speedup(
-                params, compute, tokens_per_step, rate, k, t
+                params, compute, tokens_per_step, rate, k, t, hsdp=kind == "hsdp"
+            )
+            # Every rank's outer-sync bytes cross the site link (one group per site).
+            w = Workload(params=params, compute_s=compute, tokens_per_step=tokens_per_step)
+            entry["predicted_inter_bytes"] = (
+                runs[0]["rounds"]
+                * 2
+                * k
+                * outer_sync_bytes(w, Layout(2 * k, 2, 2 if kind == "hsdp" else 1, t))
             )
         out[name] = entry
     return out
@@ -284,10 +379,10 @@ def print_table(results: dict) -> None:
         for name, e in entries.items():
             pred = e.get("predicted_speedup")
             frac = e.get("fraction_of_isolated")
-            pt = e["ppl_at_fsdp_time"]["median"]
+            pt = e["ppl_at_baseline_time"]["median"]
             print(
                 f"{float(rate):7g}Mb {name:14s} {e['tokens_per_s']['median']:8.0f} "
-                f"{e['speedup_vs_fsdp']['median']:8.2f}x "
+                f"{e['speedup_vs_baseline']['median']:8.2f}x "
                 f"{(f'{pred:8.2f}x' if pred else '        -')} "
                 f"{100 * e['exchange_share']['median']:7.1f}% "
                 f"{100 * e['inter_byte_share']['median']:7.1f}% "
