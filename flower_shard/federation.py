@@ -38,6 +38,13 @@ class FederationConfig:
     """HOST:PORT where the ServerApp hosts the cross-group rendezvous (collective transport)."""
     poll_interval: float = 0.05
     """Seconds between the strategy's pulls of replies (Flower's default sleeps 3 s)."""
+    outlier_factor: float = 10.0
+    """Reject an update whose norm exceeds this many times the median of the other groups'
+    (leave-one-out); 0 disables the rule."""
+    aggregation: str = "mean"
+    """`mean` (token-weighted) or `trimmed-mean` (coordinate-wise, robust to a few bad groups)."""
+    trim_fraction: float = 0.2
+    """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate."""
     group_addresses: str = ""
     """Simulation only: the groups' addresses, comma-separated, one per virtual client."""
 
@@ -70,6 +77,12 @@ class FederationConfig:
             raise ConfigError(
                 f"transport {self.transport!r} is unknown; choose one of {', '.join(P.TRANSPORTS)}"
             )
+        if self.aggregation not in ("mean", "trimmed-mean"):
+            raise ConfigError(
+                f"aggregation {self.aggregation!r} is unknown; choose mean or trimmed-mean"
+            )
+        if self.outlier_factor < 0 or not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
         if self.min_groups < 1:
             raise ConfigError(f"min-groups must be >= 1, got {self.min_groups}")
         if self.round_timeout <= 0 or self.poll_interval <= 0:

@@ -122,7 +122,8 @@ def test_collective_transport_averages_shards_without_flower(deployment, tmp_pat
 
 
 def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployment, tmp_path):
-    deployment.fault.write_text("1:nan,2:shape")
+    """Round 1: NaN; round 2: a wrong shape; round 3: weights x 1e6 (a norm outlier)."""
+    deployment.fault.write_text("1:nan,2:shape,3:huge")
     # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
     ghost_dir = tmp_path / "ghost"
     ghost_dir.mkdir()
@@ -149,11 +150,17 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
         deadline = time.monotonic() + 60
         while "SuperNode ID" not in ghost.tail(100) and time.monotonic() < deadline:
             time.sleep(0.2)
-        rounds = run(deployment, tmp_path, transport="flower", **{P.ROUND_TIMEOUT: 120.0})
+        rounds = run(
+            deployment,
+            tmp_path,
+            transport="flower",
+            **{P.ROUND_TIMEOUT: 120.0, P.NUM_SERVER_ROUNDS: 3},
+        )
     finally:
         ghost.stop()
         deployment.fault.unlink()
-    for r, bad in zip(rounds, ("non-finite", "shape")):
+    assert len(rounds) == 3
+    for r, bad in zip(rounds, ("non-finite", "shape", "update norm")):
         assert r["groups_ok"] == 1 and r["groups_rejected"] == 2, r
         reasons = " | ".join(r["rejected"])
         assert bad in reasons, reasons

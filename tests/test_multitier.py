@@ -24,8 +24,12 @@ def namespaces() -> set[str]:
 def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     before = namespaces()
     out = tmp_path / "multitier.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert namespaces() == before, "the benchmark left network namespaces behind"
     (entries,) = json.loads(out.read_text())["rates"].values()

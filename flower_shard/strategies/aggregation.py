@@ -74,3 +74,46 @@ def unflatten(flat, like: Arrays, order: list[str]) -> dict[str, np.ndarray]:
         out[k] = flat[offset : offset + n].reshape(like[k].shape).copy()
         offset += n
     return out
+
+
+def update_norms(models: list[Arrays], global_weights: Arrays) -> list[float]:
+    """||x_g - global|| over all arrays of each group (float64)."""
+    norms = []
+    for model in models:
+        sq = sum(
+            float(np.sum((model[k].astype(np.float64) - global_weights[k]) ** 2))
+            for k in global_weights
+        )
+        norms.append(sq**0.5)
+    return norms
+
+
+def norm_outliers(norms: list[float], factor: float) -> dict[int, str]:
+    """Groups whose update is more than ``factor`` x the median of the OTHER groups' updates.
+
+    Leave-one-out, so that with two groups the large one is caught (a plain median of two
+    would sit halfway). ``factor`` <= 0, or a single group, disables the rule.
+    """
+    out = {}
+    if factor <= 0 or len(norms) < 2:
+        return out
+    for i, n in enumerate(norms):
+        ref = float(np.median([m for j, m in enumerate(norms) if j != i]))
+        if n > factor * max(ref, 1e-12):
+            out[i] = (
+                f"update norm {n:.3g} is {n / max(ref, 1e-12):.1f}x the median of the "
+                f"other groups ({ref:.3g}); the limit is {factor:g}x"
+            )
+    return out
+
+
+def trimmed_mean(models: list[Arrays], trim_fraction: float) -> dict[str, np.ndarray]:
+    """Coordinate-wise mean after dropping the floor(trim x G) lowest and highest values."""
+    k = int(trim_fraction * len(models))
+    if k == 0 or len(models) - 2 * k < 1:
+        return weighted_mean(models, [1.0] * len(models))
+    out = {}
+    for name in models[0]:
+        stacked = np.sort(np.stack([m[name].astype(np.float64) for m in models]), axis=0)
+        out[name] = stacked[k : len(models) - k].mean(axis=0).astype(np.float32)
+    return out

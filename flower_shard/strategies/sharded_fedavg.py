@@ -28,7 +28,10 @@ from flower_shard.strategies.aggregation import (
     check_weight,
     describe,
     flatten,
+    norm_outliers,
+    trimmed_mean,
     unflatten,
+    update_norms,
     weighted_mean,
 )
 
@@ -115,6 +118,8 @@ class ShardedFedAvg(FedAvg):
             else:
                 ok.append(parsed)
         self._round["rejected"] = self._round.get("rejected", []) + rejected
+        if self.fed.transport == "flower" and len(ok) > 1:
+            ok = self._reject_outliers(server_round, ok)
         self._round["ok"] = ok
         if len(ok) < self.fed.min_groups:
             log(
@@ -136,10 +141,29 @@ class ShardedFedAvg(FedAvg):
         )
         if self.fed.transport != "flower":
             return None, metrics
-        mean = weighted_mean([p["arrays"] for p in ok], weights)
+        if self.fed.aggregation == "trimmed-mean":
+            mean = trimmed_mean([p["arrays"] for p in ok], self.fed.trim_fraction)
+        else:
+            mean = weighted_mean([p["arrays"] for p in ok], weights)
         new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
+        self._global = new
         self._round["server_s"] = time.perf_counter() - start
         return ArrayRecord({k: Array(v) for k, v in new.items()}), metrics
+
+    def _reject_outliers(self, server_round: int, ok: list[dict]) -> list[dict]:
+        """Drop updates far larger than the others' (see aggregation.norm_outliers)."""
+        norms = update_norms([p["arrays"] for p in ok], self._global)
+        bad = norm_outliers(norms, self.fed.outlier_factor)
+        for i, reason in bad.items():
+            self._round["rejected"].append(f"node {ok[i]['node']}: {reason}")
+            log(
+                WARNING,
+                "round %s: rejected the update of node %s: %s",
+                server_round,
+                ok[i]["node"],
+                reason,
+            )
+        return [p for i, p in enumerate(ok) if i not in bad]
 
     def _check_reply(self, msg: Message) -> tuple[str | None, dict]:
         if msg.has_error():
@@ -190,6 +214,7 @@ class ShardedFedAvg(FedAvg):
         config = ConfigRecord(self.fed.group_config()) if train_config is None else train_config
         initial = {k: v.numpy() for k, v in initial_arrays.items()}
         self.expected, self.order = describe(initial), list(initial)
+        self._global = initial
         self.outer = OuterOptimizer(
             flatten(initial, self.order), t.outer, t.outer_lr, t.outer_momentum
         )

@@ -1,0 +1,60 @@
+"""Server-side math on full arrays: validation, weighted mean, outliers, trimmed mean."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flower_shard.strategies.aggregation import (
+    check_arrays,
+    check_weight,
+    describe,
+    norm_outliers,
+    trimmed_mean,
+    update_norms,
+    weighted_mean,
+)
+
+
+def model(value: float) -> dict[str, np.ndarray]:
+    return {"a": np.full((2, 3), value, np.float32), "b": np.full(4, -value, np.float32)}
+
+
+def test_check_arrays_names_each_problem():
+    expected = describe(model(0.0))
+    assert check_arrays(model(1.0), expected) is None
+    bad = model(1.0)
+    bad["a"][0, 0] = np.inf
+    assert "non-finite" in check_arrays(bad, expected)
+    assert "missing" in check_arrays({"a": model(1.0)["a"]}, expected)
+    assert "unexpected" in check_arrays(model(1.0) | {"c": np.zeros(1, np.float32)}, expected)
+    assert "shape" in check_arrays(model(1.0) | {"b": np.zeros(5, np.float32)}, expected)
+    assert "dtype" in check_arrays(model(1.0) | {"b": np.zeros(4, np.float64)}, expected)
+    assert check_weight(0) and check_weight(float("nan")) and check_weight("3")
+    assert check_weight(128) is None
+
+
+def test_weighted_mean_is_exact_in_float64():
+    mean = weighted_mean([model(1.0), model(4.0)], [1, 2])
+    assert np.array_equal(mean["a"], np.full((2, 3), 3.0, np.float32))
+    assert mean["a"].dtype == np.float32
+
+
+def test_norm_outliers_leave_one_out():
+    g = model(0.0)
+    norms = update_norms([model(1.0), model(1.1), model(1e4)], g)
+    assert norms[0] == pytest.approx(np.sqrt(6 + 4))
+    assert set(norm_outliers(norms, 10.0)) == {2}
+    # With two groups the large one is still caught; the small one is not.
+    assert set(norm_outliers(norms[1:], 10.0)) == {1}
+    assert norm_outliers(norms, 0.0) == {} and norm_outliers(norms[:1], 10.0) == {}
+    assert "the limit is 10x" in norm_outliers(norms, 10.0)[2]
+
+
+def test_trimmed_mean_drops_the_extremes():
+    models = [model(v) for v in (1.0, 2.0, 3.0, 4.0, 1000.0)]
+    out = trimmed_mean(models, 0.2)  # drop 1 low and 1 high per coordinate
+    assert np.array_equal(out["a"], np.full((2, 3), 3.0, np.float32))
+    assert np.array_equal(out["b"], np.full(4, -3.0, np.float32))
+    # Too few groups to trim: the plain mean.
+    assert np.array_equal(trimmed_mean(models[:2], 0.2)["a"], np.full((2, 3), 1.5, np.float32))
