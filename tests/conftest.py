@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +43,15 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> None:
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         pytest.fail(f"{script} exited {rc} (124 = timed out):\n{tail}")
+
+
+def train_cli(out: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`flower-shard train --out OUT FLAGS...` as a user runs it; fails the test on error."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "flower_shard.cli", "train", "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

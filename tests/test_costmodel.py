@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from conftest import train_cli
 
 from flower_shard import metrics as M
 from flower_shard.costmodel import (
@@ -82,35 +80,24 @@ def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
 def test_outer_sync_bytes_match_a_real_run(tmp_path):
     """The bytes the runtime reports for its outer sync are what the cost model predicts."""
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flower_shard.cli",
-            "train",
-            "--groups",
-            "2",
-            "--nproc-per-group",
-            "2",
-            "--local-steps",
-            "1",
-            "--rounds",
-            "1",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "2",
-            "--eval-every",
-            "0",
-            "--quiet",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    train_cli(
+        out,
+        "--groups",
+        "2",
+        "--nproc-per-group",
+        "2",
+        "--local-steps",
+        "1",
+        "--rounds",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--quiet",
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     (record,) = M.read_metrics(out)
     params = count_parameters(build_model("tiny"))
     w = Workload(params=params, compute_s=1.0, tokens_per_step=64)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from conftest import train_cli
 
 from flower_shard import metrics as M
 from flower_shard.launch import CONFIG_FILE
@@ -12,38 +12,27 @@ from flower_shard.launch import CONFIG_FILE
 
 def test_train_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flower_shard.cli",
-            "train",
-            "--groups",
-            "2",
-            "--nproc-per-group",
-            "2",
-            "--local-steps",
-            "4",
-            "--rounds",
-            "3",
-            "--model",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch-size",
-            "4",
-            "--lr",
-            "3e-3",
-            "--outer",
-            "nesterov",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = train_cli(
+        out,
+        "--groups",
+        "2",
+        "--nproc-per-group",
+        "2",
+        "--local-steps",
+        "4",
+        "--rounds",
+        "3",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--outer",
+        "nesterov",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rounds = M.read_metrics(out)
     assert [r[M.ROUND] for r in rounds] == [1, 2, 3]
     for r in rounds:
