@@ -99,6 +99,10 @@ def env_with_bin() -> dict[str, str]:
     return env
 
 
+class _PortTaken(RuntimeError):
+    """The SuperNode could not bind its local API port."""
+
+
 class Node:
     """A running node: the group and the SuperNode, started and stopped together."""
 
@@ -172,7 +176,18 @@ class Node:
         finally:
             client.close()
 
-    def start_supernode(self) -> None:
+    def start_supernode(self, attempts: int = 3) -> None:
+        """Start the SuperNode; if its auto-chosen API port was taken meanwhile, use another."""
+        for attempt in range(attempts):
+            try:
+                return self._start_supernode_once()
+            except _PortTaken:
+                if self.cfg.port is not None or attempt == attempts - 1:
+                    raise
+                self.supernode.stop()
+                self.port = free_port()
+
+    def _start_supernode_once(self) -> None:
         cfg = self.cfg
         cmd = [
             sys.executable,
@@ -205,7 +220,10 @@ class Node:
         deadline = time.monotonic() + cfg.ready_timeout
         while "SuperNode ID" not in self.supernode.tail(200):
             if not self.supernode.alive():
-                raise RuntimeError(f"flower-supernode exited:\n{self.supernode.tail()}")
+                tail = self.supernode.tail()
+                if "Runtime HTTP API failed to start" in tail or "address already in use" in tail:
+                    raise _PortTaken(f"port {self.port} is taken")
+                raise RuntimeError(f"flower-supernode exited:\n{tail}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"flower-supernode did not register with {cfg.superlink} in "

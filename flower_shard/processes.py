@@ -20,11 +20,23 @@ from pathlib import Path
 MARKER = "FLOWER_SHARD_TREE"
 
 
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that is free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that is free now and was not handed out before by this process.
+
+    The kernel may return the same ephemeral port to two binds in a row once the first socket
+    is closed; two nodes started back to back must not get the same one.
+    """
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
+    raise RuntimeError("no free TCP port on loopback")
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -285,3 +286,18 @@ def test_simulation_mode_drives_real_groups(tmp_path):
         for k, v in loaded.items():
             mean = (trained[0][k].astype(np.float64) + trained[1][k].astype(np.float64)) / 2
             assert np.array_equal(v, mean.astype(np.float32)), k
+
+
+def test_node_moves_to_another_port_when_its_supernode_port_is_taken(deployment, tmp_path):
+    from flower_shard.node import Node, NodeConfig
+
+    node = Node(NodeConfig(superlink=deployment.address, nproc_per_group=1,
+                           work_dir=str(tmp_path / "node")))
+    taken = node.port
+    blocker = socket.create_server(("127.0.0.1", taken))
+    try:
+        node.start()
+        assert node.port != taken and node.dead() is None
+    finally:
+        node.stop()
+        blocker.close()
