@@ -311,4 +311,6 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         auth_private_key=args.auth_private_key,
         auth_public_key=args.auth_public_key,
         dump_dir=args.dump_dir,
+        fault_file=args.fault_file,
+        poll_interval=args.poll_interval,
     )

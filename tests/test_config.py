@@ -88,3 +88,61 @@ def test_config_round_trips_through_json(tmp_path):
     (tmp_path / "bad.json").write_text('{"groups": 2, "gruops": 3}')
     with pytest.raises(ConfigError, match="unknown configuration keys"):
         TrainConfig.from_json(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["node", "--superlink", "nohost"], "--superlink 'nohost' must be HOST:PORT"),
+        (["node", "--nproc-per-group", "0"], "--nproc-per-group must be >= 1"),
+        (["node", "--data", "/nonexistent/text"], "--data /nonexistent/text: no such directory"),
+        (["node", "--poll-interval", "0"], "--poll-interval must be in (0, 3]"),
+        (["node", "--root-certificates", "/nonexistent/ca.crt"], "no such file"),
+        (["node", "--auth-supernode-private-key", __file__], "needs both"),
+        (["plan", "--model", "gpt5"], "--model 'gpt5' is unknown"),
+        (["plan", "--gpus", "10", "--gpus-per-node", "4"], "not a multiple of --gpus-per-node"),
+        (["plan", "--inter-site-gbps", "0"], "must be > 0"),
+        (["demo", "--rounds", "0"], "--rounds must be >= 1"),
+    ],
+)
+def test_other_commands_fail_fast_with_one_line(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flower_shard.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), proc.stderr
+    assert message in lines[0]
+
+
+def test_plan_prints_a_ranked_table_and_a_recommendation():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flower_shard.cli",
+            "plan",
+            "--gpus",
+            "64",
+            "--gpus-per-node",
+            "8",
+            "--nodes-per-site",
+            "4",
+            "--inter-site-gbps",
+            "10",
+            "--top",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("fsdp", "hsdp"))]
+    assert len(rows) == 5
+    throughput = [float(r.split()[5].replace(",", "")) for r in rows]
+    assert throughput == sorted(throughput, reverse=True)
+    assert "recommended:" in proc.stdout

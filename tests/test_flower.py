@@ -291,8 +291,9 @@ def test_simulation_mode_drives_real_groups(tmp_path):
 def test_node_moves_to_another_port_when_its_supernode_port_is_taken(deployment, tmp_path):
     from flower_shard.node import Node, NodeConfig
 
-    node = Node(NodeConfig(superlink=deployment.address, nproc_per_group=1,
-                           work_dir=str(tmp_path / "node")))
+    node = Node(
+        NodeConfig(superlink=deployment.address, nproc_per_group=1, work_dir=str(tmp_path / "node"))
+    )
     taken = node.port
     blocker = socket.create_server(("127.0.0.1", taken))
     try:
