@@ -8,7 +8,6 @@ that whole process tree.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.data import check_fits, prepare_corpus
 from flower_shard.metrics import METRICS_FILE
+from flower_shard.processes import start_marked, stop_tree
 from flower_shard.trainer import DATA_SUBDIR
 
 CONFIG_FILE = "config.json"
@@ -87,10 +87,10 @@ def run_supervised(
 
     Returns the exit status, or 124 (as timeout(1) does) when ``timeout`` seconds passed.
     """
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+    proc, marker = start_marked(cmd, env, **popen)
 
     def forward(signum, _frame):
-        _stop_tree(proc)
+        stop_tree(proc, marker)
         raise SystemExit(128 + signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -99,21 +99,9 @@ def run_supervised(
     except subprocess.TimeoutExpired:
         return 124
     finally:
-        _stop_tree(proc)
+        stop_tree(proc, marker)
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def _stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    # torchrun may have left workers behind: make sure the session is gone.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def launch_train(cfg: TrainConfig, *, node_rank: int = 0, rdzv_endpoint: str | None = None) -> int:

@@ -66,18 +66,10 @@ class ManagedProcess:
         cwd: str | os.PathLike | None = None,
     ):
         self.name = name
-        self.marker = uuid.uuid4().hex
-        env = dict(os.environ if env is None else env)
-        env[MARKER] = self.marker
         self.log_path = Path(log)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=cwd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.proc, self.marker = start_marked(
+            cmd, env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     @property
@@ -94,17 +86,32 @@ class ManagedProcess:
             return ""
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the session, wait up to ``grace_s``, then SIGKILL whatever carries the marker."""
-        for pid in [self.proc.pid, *marked_pids(self.marker)]:
-            _signal(pid, signal.SIGTERM, group=pid == self.proc.pid)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (self.alive() or marked_pids(self.marker)):
-            time.sleep(0.1)
-        for pid in [self.proc.pid, *marked_pids(self.marker)]:
-            _signal(pid, signal.SIGKILL, group=pid == self.proc.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        """Stop the whole tree (see :func:`stop_tree`) and close the log."""
+        stop_tree(self.proc, self.marker, grace_s)
         self._log.close()
+
+
+def start_marked(
+    cmd: list[str], env: dict[str, str] | None = None, **popen
+) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` in its own session with a fresh marker in its environment."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ if env is None else env)
+    env[MARKER] = marker
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen), marker
+
+
+def stop_tree(proc: subprocess.Popen, marker: str, grace_s: float = 10.0) -> None:
+    """SIGTERM the session, wait up to ``grace_s``, then SIGKILL whatever carries the marker."""
+    for pid in [proc.pid, *marked_pids(marker)]:
+        _signal(pid, signal.SIGTERM, group=pid == proc.pid)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (proc.poll() is None or marked_pids(marker)):
+        time.sleep(0.1)
+    for pid in [proc.pid, *marked_pids(marker)]:
+        _signal(pid, signal.SIGKILL, group=pid == proc.pid)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
 
 
 def _signal(pid: int, sig: int, group: bool) -> None:

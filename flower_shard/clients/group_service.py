@@ -95,6 +95,11 @@ def inject_fault(fault_file: str | None, server_round: int, arrays: dict) -> dic
     return arrays
 
 
+def run_key(config: dict) -> dict:
+    """What identifies a run in a message's config: everything but the per-round keys."""
+    return {k: v for k, v in config.items() if k not in (P.SERVER_ROUND, P.COLLECTIVE_PREFIX)}
+
+
 class GroupWorker:
     """What every rank of the group holds between rounds: the trainer for the current run."""
 
@@ -122,7 +127,7 @@ class GroupWorker:
         """Build (or keep) the trainer for the run that ``config`` describes."""
         from flower_shard.trainer import GroupTrainer
 
-        key = {k: v for k, v in config.items() if k not in (P.SERVER_ROUND, P.COLLECTIVE_PREFIX)}
+        key = run_key(config)
         if key == self.run_key:
             return
         cfg = config_from_message(config, self.data, self.device_pref)
@@ -146,7 +151,13 @@ class GroupWorker:
         return self.work_dir / "data"
 
     def check(self, config: dict) -> None:
-        """Rank 0, before any rank acts: validate the run and prepare its data (cached)."""
+        """Rank 0, before any rank acts: validate the run and prepare its data.
+
+        A run that is already built passed this check when it started: later rounds skip it
+        (it would list and stat the whole corpus every round).
+        """
+        if run_key(config) == self.run_key:
+            return
         cfg = config_from_message(config, self.data, self.device_pref)
         check_fits(prepare_corpus(self.data_dir, cfg.data, cfg.tokenizer, cfg.eval_fraction), cfg)
 
