@@ -74,9 +74,7 @@ def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Pat
         ]
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
     try:
-        for p in procs:
-            if p.proc.wait(timeout=3600) != 0:
-                raise RuntimeError(f"{p.name} failed:\n{p.tail(30)}")
+        wait_all(procs, timeout_s=3600)
     finally:
         for p in procs:
             p.stop()
@@ -90,6 +88,33 @@ def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Pat
         "intra_bytes": intra,
         "wall_s": wall,
     }
+
+
+def wait_all(procs: list[ManagedProcess], timeout_s: float) -> None:
+    """Wait for every site; on a failure, name the one that failed first and show every log.
+
+    The site that failed first is the cause; the others usually fail because a peer vanished.
+    """
+    deadline = time.monotonic() + timeout_s
+    failed: list[ManagedProcess] = []
+    while any(p.alive() for p in procs) and not failed:
+        failed = [p for p in procs if not p.alive() and p.proc.returncode != 0]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sites still running after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    failed = failed or [p for p in procs if p.proc.returncode != 0]
+    if failed:
+        time.sleep(2)  # let the other sites write what they saw
+        logs = "\n".join(f"--- {p.name} (exit {p.proc.poll()}):\n{error_lines(p)}" for p in procs)
+        raise RuntimeError(f"{failed[0].name} failed first\n{logs}")
+
+
+def error_lines(p: ManagedProcess, limit: int = 40) -> str:
+    """What a site's ranks said before dying: error lines first, then the log's tail."""
+    text = p.tail(10_000).splitlines()
+    keys = ("Error", "error", "terminate", "what()", "Exception", "Fatal", "Signal")
+    errors = [line for line in text if any(k in line for k in keys)]
+    return "\n".join(errors[:limit] + ["..."] + text[-15:])
 
 
 def make_configs(base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: bool) -> list:

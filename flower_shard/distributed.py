@@ -36,6 +36,15 @@ def init_distributed(preference: str = "auto") -> torch.device:
     return device
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = False) -> None:
+    """Leave the torch world.
+
+    ``clean=True`` (every rank got here without an error) waits for all ranks first: a rank
+    that closes its gloo sockets while a peer still reads from them can make that peer's
+    transport thread abort (SIGABRT) instead of finishing. After an error there is no
+    barrier, since a dead peer would make it hang.
+    """
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

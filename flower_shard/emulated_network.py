@@ -20,7 +20,22 @@ import os
 import random
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+# Tiny TCP peers for wait_connected (run inside the namespaces with this interpreter).
+_ACCEPT = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+while True:
+    s.accept()[0].close()
+"""
+_CONNECT = """
+import socket, sys
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()
+"""
 
 
 def available() -> bool:
@@ -84,6 +99,43 @@ class EmulatedNetwork:
             _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", site)
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", site, "up")
             self.set_rate(self.rate_mbit, ns, site, add=True)
+        self.wait_connected()
+
+    def wait_connected(self, timeout_s: float = 30.0) -> None:
+        """Return once every site reaches site 0 over TCP; raise if it never does.
+
+        Runs start only on a network that carries traffic: a distributed job whose first
+        connections fail or stall retries them, and gloo can abort on a half-open one.
+        """
+        port = 29400 + random.randint(0, 500)
+        server = subprocess.Popen(
+            self.prefix(0) + [sys.executable, "-c", _ACCEPT, self.addresses[0], str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if server.stdout.readline().strip() != "listening":
+                raise RuntimeError("emulated network: site 0 could not listen")
+            deadline = time.monotonic() + timeout_s
+            for site in range(1, self.sites):
+                while True:
+                    probe = subprocess.run(
+                        self.prefix(site)
+                        + [sys.executable, "-c", _CONNECT, self.addresses[0], str(port)],
+                        capture_output=True,
+                    )
+                    if probe.returncode == 0:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"emulated network: site {site} cannot reach site 0 over the "
+                            f"bridge {self.bridge} after {timeout_s:.0f} s; if bridged traffic "
+                            "goes through iptables here, set net.bridge.bridge-nf-call-iptables=0"
+                        )
+                    time.sleep(0.2)
+        finally:
+            server.kill()
+            server.wait()
 
     def set_rate(
         self, rate_mbit: float, ns: str | None = None, dev: str | None = None, add: bool = False

@@ -247,8 +247,8 @@ class GroupTrainer:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
-    def close(self) -> None:
-        shutdown()
+    def close(self, clean: bool = False) -> None:
+        shutdown(clean)
 
 
 def _share(inter: float, intra: float) -> float:
@@ -278,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = TrainConfig.from_json(argv[0])
     trainer = GroupTrainer(cfg)
+    clean = False
     try:
         trainer.train()
+        clean = True
     finally:
-        trainer.close()
+        trainer.close(clean)
     return 0
 
 

@@ -30,7 +30,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     assert namespaces() == before, "the benchmark left network namespaces behind"
     (entries,) = json.loads(out.read_text())["rates"].values()
     fsdp, fl = entries["fsdp"], entries["fl-fsdp T=4"]
