@@ -77,6 +77,14 @@ class TrainConfig:
     """Evaluate held-out perplexity every E rounds (and after the last round); 0 disables."""
     eval_sequences: int = 64
     """Held-out sequences per evaluation (the same set whatever the topology)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every C rounds (and after the last round) under OUT/checkpoints; 0 never.
+    """
+    keep_checkpoints: int = 3
+    """Checkpoints kept per group (and on the server), newest first; 0 keeps all."""
+    resume: str | None = None
+    """Continue the run whose output directory this is, from its last good checkpoint (the run's
+    settings must be the same; the number of ranks per group may differ)."""
     device: str = "auto"
     """`cuda` (NCCL), `cpu` (gloo), or `auto`: CUDA when it is available."""
     out: str = "runs/latest"
@@ -130,6 +138,15 @@ class TrainConfig:
             raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("--weight-decay and --grad-clip must be >= 0")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 0:
+            raise ConfigError(
+                "--checkpoint-every and --keep-checkpoints must be >= 0 (0: never / keep all)"
+            )
+        if self.resume is not None and not Path(self.resume, "checkpoints").is_dir():
+            raise ConfigError(
+                f"--resume {self.resume}: no checkpoints/ there; give the output directory of a "
+                "run that ran with --checkpoint-every > 0"
+            )
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:

@@ -73,7 +73,7 @@ def prepare_run(cfg: TrainConfig) -> Path:
     info = prepare_corpus(out / DATA_SUBDIR, cfg.data, cfg.tokenizer, cfg.eval_fraction)
     check_fits(info, cfg)
     metrics = out / METRICS_FILE
-    if metrics.exists():  # a new run in the same directory starts a new log
+    if metrics.exists() and cfg.resume is None:  # a new run in the same directory: a new log
         metrics.unlink()
     path = out / CONFIG_FILE
     cfg.to_json(path)

@@ -87,6 +87,21 @@ def read_metrics(directory: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def keep_rounds(source: str | os.PathLike, target: str | os.PathLike, through: int) -> None:
+    """A resumed run's log: the records of rounds <= ``through`` from ``source``'s metrics.
+
+    Written to ``target``'s metrics file (a temporary file, then renamed), which the resumed
+    run then appends to; rounds after the checkpoint are dropped since they will run again.
+    """
+    src = Path(source, METRICS_FILE)
+    records = read_metrics(source) if src.exists() else []
+    kept = [json.dumps(r) + "\n" for r in records if r.get(ROUND, 0) <= through]
+    Path(target).mkdir(parents=True, exist_ok=True)
+    tmp = Path(target, METRICS_FILE + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(Path(target, METRICS_FILE))
+
+
 def perplexity(mean_loss: float) -> float:
     return math.exp(min(mean_loss, 700.0))
 

@@ -66,6 +66,19 @@ class OuterOptimizer:
         self.weights.grad = None
         return self.weights.detach()
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """nesterov: the flat state tensors themselves (global weights, momentum), to load in place.
+
+        Before the first step the momentum is created as zeros, which gives the same first
+        update as torch's lazily created buffer (a copy of the first gradient).
+        """
+        if self._sgd is None:
+            return {}
+        state = self._sgd.state[self.weights]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(self.weights.data)
+        return {"weights": self.weights.data, "momentum": state["momentum_buffer"]}
+
     def state_dict(self) -> dict:
         if self._sgd is None:
             return {}
@@ -180,6 +193,27 @@ class OuterSync:
 
     def load_state_dict(self, state: dict) -> None:
         self.outer.load_state_dict(state["outer"])
+
+    def sharded_state(self, model: torch.nn.Module) -> dict:
+        """The outer state as DTensors shaped like ``model``'s parameters (for DCP).
+
+        The flat buffers hold this rank's shards in parameter order; cut back into
+        per-parameter DTensors with the parameters' placements they can be saved and loaded
+        onto a different number of ranks. The DTensors are views: DCP loads in place.
+        """
+        out = {}
+        for name, flat in self.outer.buffers().items():
+            offset = 0
+            for key, p in model.named_parameters():
+                local = local_view(p)
+                piece = flat[offset : offset + local.numel()].view_as(local)
+                offset += local.numel()
+                if isinstance(p, DTensor):
+                    piece = DTensor.from_local(
+                        piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                out[f"{name}.{key}"] = piece
+        return out
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

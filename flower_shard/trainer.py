@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flower_shard import checkpoint as C
 from flower_shard import metrics as M
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.costmodel import Layout, Workload, intra_group_bytes
@@ -130,6 +131,7 @@ class GroupTrainer:
         self.step = 0
         self.round = 0
         self.tokens = 0
+        self._group_pg = None
         # Accounting of the intra-group tier: FSDP's collectives have fixed sizes, so the bytes
         # a rank sends per step follow from the model (flower_shard.costmodel); the outer sync
         # is measured as it runs.
@@ -147,6 +149,7 @@ class GroupTrainer:
 
     def train(self) -> None:
         cfg = self.cfg
+        start_round = self.resume(cfg.resume) if cfg.resume else 0
         logger = None
         if self.rank == 0:
             logger = M.MetricsLogger(cfg.out, echo=not cfg.quiet, total_rounds=cfg.rounds)
@@ -157,12 +160,16 @@ class GroupTrainer:
                     f"model={cfg.model} on {self.device.type}",
                     flush=True,
                 )
-        for _ in range(cfg.rounds):
+        for _ in range(start_round, cfg.rounds):
             record = self.train_round()
             if cfg.eval_every and (self.round % cfg.eval_every == 0 or self.round == cfg.rounds):
                 eval_loss = self.evaluate()
                 record[M.EVAL_LOSS] = eval_loss
                 record[M.EVAL_PPL] = M.perplexity(eval_loss)
+            if cfg.checkpoint_every and (
+                self.round % cfg.checkpoint_every == 0 or self.round == cfg.rounds
+            ):
+                self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
             if logger:
                 logger.log(record)
         if logger:
@@ -246,6 +253,126 @@ class GroupTrainer:
             total[1] += losses.numel()
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_root(self, run_dir: str | Path) -> Path:
+        """Where this group's checkpoints of the run in ``run_dir`` live."""
+        return Path(run_dir, "checkpoints", f"group_{self.group}")
+
+    def resume(self, run_dir: str | Path) -> int:
+        """Load the newest round that every group has a good checkpoint of; return that round.
+
+        A refused checkpoint (corrupt, truncated, incomplete) is logged and the previous one is
+        used. Rank 0 also carries the metrics of the rounds up to it over into this run's log.
+        """
+        root = self.checkpoint_root(run_dir)
+        good: list[int] = []
+        if dist.get_rank(self.group_pg) == 0:  # the group's head verifies, the others wait
+            for rnd in C.rounds(root):
+                reason = C.verify(C.round_dir(root, rnd))
+                if reason:
+                    print(f"flower-shard: checkpoint refused: {reason}", file=sys.stderr)
+                else:
+                    good.append(rnd)
+        every: list = [None] * self.world
+        dist.all_gather_object(every, good)
+        k = self.topology.group_size
+        common = set.intersection(*(set(every[g * k]) for g in range(self.world // k)))
+        if not common:
+            raise C.CheckpointError(
+                f"--resume {run_dir}: no round has a good checkpoint in every group; "
+                "start the run afresh"
+            )
+        rnd = max(common)
+        self.load_checkpoint(C.round_dir(root, rnd), self.outer)
+        if self.rank == 0:
+            M.keep_rounds(run_dir, self.cfg.out, rnd)
+        return rnd
+
+    @property
+    def group_pg(self):
+        """The process group of this rank's group (the world, when the world is one group)."""
+        if self._group_pg is None:
+            if self.topology.groups == 1:
+                self._group_pg = dist.group.WORLD
+            else:  # every rank must create every group's subgroup, in the same order
+                k = self.topology.group_size
+                self._group_pg, _ = dist.new_subgroups_by_enumeration(
+                    [list(range(g * k, (g + 1) * k)) for g in range(self.topology.groups)]
+                )
+        return self._group_pg
+
+    def _sharded_state(self, outer: OuterSync | None) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        if outer is not None:
+            state["outer"] = outer.sharded_state(self.model)
+        return state
+
+    def save_checkpoint(self, root: str | Path, rnd: int, outer: OuterSync | None = None) -> None:
+        """Every rank of the group: save the state after round ``rnd`` under ``root``.
+
+        Sharded weights, AdamW state and the outer state go through DCP (each rank writes its
+        shards); group rank 0 adds ``trainer.pt`` (step, LR schedule, every rank's data
+        position) and commits the directory atomically. ``root`` must be one directory that all
+        ranks of the group see (a shared file system when the group spans hosts).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        pg = self.group_pg
+        head = dist.get_rank(pg) == 0
+        tmp = C.staging_dir(root, rnd) if head else None
+        box = [str(tmp)]
+        dist.broadcast_object_list(box, group_src=0, group=pg)
+        dcp.save(self._sharded_state(outer), checkpoint_id=box[0], process_group=pg)
+        data = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(data, self.batches.state_dict(), group=pg)
+        if head:
+            torch.save(
+                {
+                    "round": rnd,
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    "group": self.group,
+                    "scheduler": self.scheduler.state_dict(),
+                    "data": data,
+                },
+                Path(box[0]) / C.GROUP_TRAINER,
+            )
+            C.commit(Path(box[0]), root, rnd, keep=self.cfg.keep_checkpoints)
+        dist.barrier(group=pg)
+
+    def load_checkpoint(self, path: str | Path, outer: OuterSync | None = None) -> int:
+        """Every rank of the group: load a checkpoint saved by :meth:`save_checkpoint`.
+
+        The checkpoint may come from a group with another number of ranks: DCP reshards the
+        weights and the optimizer state. The data position carries over only with the same
+        number of ranks (the data partition depends on it); otherwise the data starts afresh.
+        Returns the checkpoint's round.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        reason = C.verify(path)
+        if reason:
+            raise C.CheckpointError(reason)
+        state = self._sharded_state(outer)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group_pg)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        meta = torch.load(Path(path) / C.GROUP_TRAINER, weights_only=False)
+        self.step, self.tokens, self.round = meta["step"], meta["tokens"], meta["round"]
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if len(meta["data"]) == dist.get_world_size(self.group_pg):
+            self.batches.load_state_dict(meta["data"][dist.get_rank(self.group_pg)])
+        return meta["round"]
 
     def close(self, clean: bool = False) -> None:
         shutdown(clean)
