@@ -18,7 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
+
 from flower_shard import protocol as P
+from flower_shard.certificates import load_supernode_private_key, load_supernode_public_key
 from flower_shard.config import ConfigError
 from flower_shard.processes import ManagedProcess, free_port
 
@@ -40,11 +43,16 @@ class NodeConfig:
     device: str = "auto"
     """`cuda` (NCCL), `cpu` (gloo) or `auto`."""
     root_certificates: str | None = None
-    """CA certificate for a TLS SuperLink; None connects with --insecure."""
+    """CA certificate (PEM) that signed a TLS SuperLink's certificate; None connects with
+    --insecure (no TLS)."""
     auth_private_key: str | None = None
-    """SuperNode authentication: this node's private key (EC, NIST curve)."""
+    """SuperNode authentication: this node's private key (EC on a NIST curve, unencrypted
+    OpenSSH format, see flower_shard.certificates.make_supernode_keys). Its public key must be
+    registered first (`flwr supernode register KEY.pub CONNECTION`). Needs root_certificates."""
     auth_public_key: str | None = None
-    """SuperNode authentication: this node's public key (registered with the SuperLink)."""
+    """Optional: the public key registered for this node. Flower 1.42 derives it from the
+    private key and no longer takes it; when given, it is checked to be the private key's pair
+    before anything starts."""
     dump_dir: str | None = None
     """Debug: the group writes its weights at each stage of each round here."""
     poll_interval: float = 0.1
@@ -75,9 +83,52 @@ class NodeConfig:
         ):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path}: no such file")
-        if (self.auth_private_key is None) != (self.auth_public_key is None):
-            raise ConfigError("SuperNode authentication needs both the private and the public key")
+        self._validate_security()
         return self
+
+    def _validate_security(self) -> None:
+        # Flower only reports these once the SuperNode runs (or as a traceback); checked here
+        # they fail in one line that names the flag, before the group starts.
+        if self.root_certificates is not None:
+            try:
+                x509.load_pem_x509_certificates(Path(self.root_certificates).read_bytes())
+            except ValueError:
+                raise ConfigError(
+                    f"--root-certificates {self.root_certificates}: not a PEM certificate "
+                    "(pass the CA file that signed the SuperLink's certificate)"
+                ) from None
+        if self.auth_public_key is not None and self.auth_private_key is None:
+            raise ConfigError(
+                "--auth-supernode-public-key needs --auth-supernode-private-key (the node "
+                "signs with the private key; the public key alone authenticates nothing)"
+            )
+        if self.auth_private_key is None:
+            return
+        if self.root_certificates is None:
+            raise ConfigError(
+                "SuperNode authentication needs both --auth-supernode-private-key and "
+                "--root-certificates CA: Flower authenticates SuperNodes only over TLS"
+            )
+        try:
+            key = load_supernode_private_key(self.auth_private_key)
+        except ValueError as exc:
+            raise ConfigError(
+                f"--auth-supernode-private-key {self.auth_private_key}: {exc}; make one with "
+                "flower_shard.certificates.make_supernode_keys or ssh-keygen -t ecdsa -b 384"
+            ) from None
+        if self.auth_public_key is not None:
+            try:
+                public = load_supernode_public_key(self.auth_public_key)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"--auth-supernode-public-key {self.auth_public_key}: {exc}"
+                ) from None
+            if public.public_numbers() != key.public_key().public_numbers():
+                raise ConfigError(
+                    f"--auth-supernode-public-key {self.auth_public_key} is not the public key "
+                    f"of --auth-supernode-private-key {self.auth_private_key}: pass the pair "
+                    "(or leave the public key out; Flower derives it)"
+                )
 
 
 def bin_path(name: str) -> str:
@@ -101,6 +152,40 @@ def env_with_bin() -> dict[str, str]:
 
 class _PortTaken(RuntimeError):
     """The SuperNode could not bind its local API port."""
+
+
+class SuperNodeRefused(RuntimeError):
+    """``flower-supernode`` exited before it joined: refused by the SuperLink, or TLS failed.
+
+    The first line of the message says why; the SuperNode's log tail follows.
+    """
+
+
+# Flower 1.42's API error codes (flwr.supercore.error.ApiErrorCode), which the SuperNode prints
+# as "[code: N]" when the SuperLink refuses it: steadier than the messages' wording.
+_REFUSALS = {
+    "[code: 2001]": (
+        "the SuperLink requires SuperNode authentication: start this node with "
+        "--auth-supernode-private-key KEY whose public key is registered "
+        "(flwr supernode register KEY.pub CONNECTION)"
+    ),
+    "[code: 2004]": (
+        "the SuperLink refused this SuperNode's key: register its public key first "
+        "(flwr supernode register KEY.pub CONNECTION)"
+    ),
+}
+
+
+def _refusal(tail: str, cfg: NodeConfig) -> str:
+    for code, reason in _REFUSALS.items():
+        if code in tail:
+            return f"flower-supernode was refused by {cfg.superlink}: {reason}"
+    if "SSL/TLS handshake error" in tail or "CERTIFICATE_VERIFY_FAILED" in tail:
+        return (
+            f"flower-supernode could not verify {cfg.superlink}'s TLS certificate with "
+            f"--root-certificates {cfg.root_certificates}: pass the CA that signed it"
+        )
+    return "flower-supernode exited"
 
 
 class Node:
@@ -206,12 +291,9 @@ class Node:
             else ["--insecure"]
         )
         if cfg.auth_private_key:
-            cmd += [
-                "--auth-supernode-private-key",
-                cfg.auth_private_key,
-                "--auth-supernode-public-key",
-                cfg.auth_public_key,
-            ]
+            # Not --auth-supernode-public-key: deprecated in Flower 1.42 (only a warning), the
+            # public key is derived from the private one.
+            cmd += ["--auth-supernode-private-key", cfg.auth_private_key]
         env = env_with_bin()
         env["FLOWER_SHARD_SUPERNODE_POLL"] = str(cfg.poll_interval)
         self.supernode = ManagedProcess(
@@ -223,11 +305,13 @@ class Node:
                 tail = self.supernode.tail()
                 if "Runtime HTTP API failed to start" in tail or "address already in use" in tail:
                     raise _PortTaken(f"port {self.port} is taken")
-                raise RuntimeError(f"flower-supernode exited:\n{tail}")
+                raise SuperNodeRefused(f"{_refusal(tail, cfg)}\n{tail}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"flower-supernode did not register with {cfg.superlink} in "
-                    f"{cfg.ready_timeout} s:\n{self.supernode.tail()}"
+                    f"{cfg.ready_timeout} s (is the SuperLink up, and does it use TLS "
+                    "(--root-certificates) or not (no flag)?):\n"
+                    f"{self.supernode.tail()}"
                 )
             time.sleep(0.2)
 
@@ -254,7 +338,11 @@ def run_node(cfg: NodeConfig) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        node.start()
+        try:
+            node.start()
+        except (SuperNodeRefused, TimeoutError) as exc:
+            print(f"flower-shard node: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         print(
             f"flower-shard node: group of {cfg.nproc_per_group} at {node.address}, "
             f"supernode on port {node.port}, connected to {cfg.superlink}",
@@ -286,9 +374,25 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
     parser.add_argument("--data", default=None, help="this node's directory of text files")
     parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--root-certificates", default=None, help="CA file of a TLS SuperLink")
-    parser.add_argument("--auth-supernode-private-key", dest="auth_private_key", default=None)
-    parser.add_argument("--auth-supernode-public-key", dest="auth_public_key", default=None)
+    parser.add_argument(
+        "--root-certificates",
+        default=None,
+        help="CA file (PEM) that signed a TLS SuperLink's certificate; without it: no TLS",
+    )
+    parser.add_argument(
+        "--auth-supernode-private-key",
+        dest="auth_private_key",
+        default=None,
+        help="this node's EC private key (OpenSSH format) for SuperNode authentication; its "
+        "public key must be registered (flwr supernode register KEY.pub CONNECTION); needs "
+        "--root-certificates",
+    )
+    parser.add_argument(
+        "--auth-supernode-public-key",
+        dest="auth_public_key",
+        default=None,
+        help="optional: the registered public key, checked to match the private key",
+    )
     parser.add_argument(
         "--poll-interval",
         type=float,
