@@ -21,6 +21,10 @@ from flower_shard.processes import ManagedProcess, free_port
 CONNECTION = "local-simulation"
 
 
+SLOW_START = "Failed to start local SuperLink within"
+START_ATTEMPTS = 3
+
+
 def simulate(
     work_dir: str | os.PathLike,
     run_config: dict,
@@ -61,25 +65,23 @@ def simulate(
             node.wait_group()
         config = dict(run_config)
         config[P.GROUP_ADDRESSES] = ",".join(n.address for n in nodes)
-        flwr = ManagedProcess(
-            "flwr-run",
-            [
-                bin_path("flwr"),
-                "run",
-                str(APP_DIR),
-                CONNECTION,
-                "--run-config",
-                run_config_arg(config),
-            ],
-            work / "flwr-run.log",
-            env,
-            cwd=work,
-        )
+        cmd = [bin_path("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config"]
+        cmd.append(run_config_arg(config))
+        attempt = 1
+        flwr = ManagedProcess("flwr-run", cmd, work / "flwr-run-1.log", env, cwd=work)
         deadline = time.monotonic() + timeout
         while not (out / "summary.json").exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the simulation did not finish in {timeout} s:\n{flwr.tail()}")
             if not flwr.alive() and flwr.proc.returncode != 0:
+                # `flwr run` gives its local SuperLink a fixed 15 s to start; on a loaded
+                # machine that can pass before it is up. Nothing ran yet: start it again.
+                if SLOW_START in flwr.tail() and attempt < START_ATTEMPTS:
+                    flwr.stop()
+                    attempt += 1
+                    log = work / f"flwr-run-{attempt}.log"
+                    flwr = ManagedProcess("flwr-run", cmd, log, env, cwd=work)
+                    continue
                 raise RuntimeError(f"flwr run failed:\n{flwr.tail()}")
             for node in nodes:
                 if reason := node.dead():
