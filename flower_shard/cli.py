@@ -11,6 +11,8 @@ so with K = ranks per host every group lives on one host (its fast tier).
 ``flower-shard demo``: a real local Flower deployment on loopback (SuperLink, 2 nodes of 2 ranks)
 running FL+FSDP on the default corpus with the tiny model.
 
+``flower-shard report RUN_DIR [--vs OTHER_RUN_DIR ...]``: plots and a summary table of runs.
+
 Flags are made from :class:`~flower_shard.config.TrainConfig`'s fields (``--local-steps`` for
 ``local_steps``), with the field docstrings as help, so the CLI and the config cannot disagree.
 """
@@ -27,6 +29,7 @@ from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.demo import add_demo_flags
 from flower_shard.node import add_node_flags
 from flower_shard.planner import add_plan_flags
+from flower_shard.report import add_report_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "rank (G, K, T, sharding) layouts for a cluster with the cost model"
     add_plan_flags(sub.add_parser("plan", help=text, description=text))
+
+    text = "plots and a summary table (report.md) from runs' metrics.jsonl"
+    add_report_flags(sub.add_parser("report", help=text, description=text))
     return parser
 
 
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             from flower_shard.demo import demo_from_args
 
             return demo_from_args(args)
+        if args.command == "report":
+            from flower_shard.report import report_from_args
+
+            return report_from_args(args)
         from flower_shard.launch import launch_train
 
         cfg = config_from_args(args)
