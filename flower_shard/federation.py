@@ -66,7 +66,7 @@ class FederationConfig:
             raise ConfigError(
                 f"unknown run-config keys {sorted(unknown)}; see flower_shard/federation.py"
             )
-        for name in ("data", "tokenizer"):  # TOML has no None: "" means unset
+        for name in ("data", "tokenizer", "resume"):  # TOML has no None: "" means unset
             if train_kwargs.get(name) == "":
                 train_kwargs[name] = None
         cfg = cls(train=TrainConfig(**train_kwargs), **kwargs)

@@ -21,7 +21,8 @@ SERVER_ROUND = "server-round"
 GROUP_INDEX = "group-index"
 NUM_GROUPS = "num-groups"
 COLLECTIVE_PREFIX = "collective-prefix"
-RUN_ID = "run-id"
+RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
+RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 
 # -- reply metrics ------------------------------------------------------------------------------
 NUM_TOKENS = "num-tokens"  # the aggregation weight: tokens the group processed this round
@@ -31,6 +32,7 @@ COMPUTE_S = "compute-s"
 GROUP_ROUND_S = "group-round-s"
 SYNC_S = "sync-s"
 SYNC_BYTES = "sync-bytes"
+CHECKPOINT_S = "checkpoint-s"
 STEP = "step"
 
 # -- run config (pyproject [tool.flwr.app.config]) -------------------------------------------
@@ -67,6 +69,8 @@ GROUP_FIELDS = (
     "eval_sequences",
     "sync_optimizer_state",
     "tokenizer",
+    "checkpoint_every",
+    "keep_checkpoints",
 )
 
 

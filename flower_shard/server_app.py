@@ -12,12 +12,15 @@ import json
 import math
 import traceback
 from datetime import timedelta
+from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from flower_shard import checkpoint as C
 from flower_shard import metrics as M
 from flower_shard import protocol as P
 from flower_shard.federation import FederationConfig
@@ -90,12 +93,46 @@ def main(grid: Grid, context: Context) -> None:
         raise
 
 
+def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], dict]:
+    """The global weights and the state to continue ``fed.train.resume`` from.
+
+    The newest good server checkpoint; with the collective transport only a round whose group
+    checkpoints exist (every ``checkpoint-every`` rounds), since the weights live in the groups.
+    """
+    t = fed.train
+    every = t.checkpoint_every
+    found = C.latest_good(
+        Path(t.resume, "checkpoints", "server"),
+        accept=lambda r: fed.transport == "flower" or (every and r % every == 0) or r == t.rounds,
+        log=lambda m: log(WARNING, "%s", m),
+    )
+    if found is None:
+        raise C.CheckpointError(
+            f"resume {t.resume}: no good server checkpoint to continue from; start a new run"
+        )
+    arrays, outer, state = C.load_server(found[1])
+    # safetensors stores names sorted; the outer state is flat in the model's order.
+    arrays = {k: arrays[k] for k in state["order"]}
+    C.restore_rng(state["rng"])
+    log(INFO, "resuming %s after round %d (%s)", state["run_name"], state["round"], found[1])
+    return arrays, {"round": state["round"], "outer": outer, **state}
+
+
 def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     from flower_shard.strategies.sharded_fedavg import ShardedFedAvg
 
-    (out / M.METRICS_FILE).unlink(missing_ok=True)
-    logger = M.MetricsLogger(out, echo=not fed.train.quiet, total_rounds=fed.train.rounds)
+    t = fed.train
     evaluator = HeldOutEvaluator(fed, out)
+    resumed = None
+    if t.resume:
+        first, resumed = resume_point(fed)
+        M.keep_rounds(t.resume, out, resumed["round"])
+    else:
+        first = initial_arrays(fed, evaluator.model.config.vocab_size)
+        (out / M.METRICS_FILE).unlink(missing_ok=True)
+    # The run's identity for the groups' checkpoints: a resumed run continues the same one.
+    run_name = resumed["run_name"] if resumed else str(out)
+    logger = M.MetricsLogger(out, echo=not t.quiet, total_rounds=t.rounds)
     store = None
     if fed.transport == "collective":  # host the cross-group rendezvous for the groups
         import torch.distributed as dist
@@ -108,14 +145,32 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
             wait_for_workers=False,
             timeout=timedelta(seconds=fed.round_timeout),
         )
-    strategy = ShardedFedAvg(fed, on_round=lambda r: logger.log(_jsonable(r)))
-    first = initial_arrays(fed, evaluator.model.config.vocab_size)
+
+    def on_round(record: dict) -> None:
+        # Checkpoint first: a metrics line means its round is safe on disk.
+        if t.checkpoint_every:
+            C.save_server(
+                out / "checkpoints" / "server",
+                record[M.ROUND],
+                strategy.global_arrays,
+                strategy.outer.state_dict(),
+                _jsonable(
+                    {"history": strategy.history, "run_name": run_name, "order": strategy.order}
+                ),
+                keep=t.keep_checkpoints,
+            )
+        logger.log(_jsonable(record))
+
+    strategy = ShardedFedAvg(fed, on_round=on_round)
+    config = ConfigRecord(fed.group_config() | {P.RUN_NAME: run_name})
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord({k: Array(v) for k, v in first.items()}),
-        num_rounds=fed.train.rounds,
+        num_rounds=t.rounds,
         timeout=fed.round_timeout,
+        train_config=config,
         evaluate_fn=evaluator if fed.transport == "flower" else None,
+        resumed=resumed,
     )
     logger.close()
     if fed.transport == "flower":

@@ -55,3 +55,22 @@ def train_cli(out: Path, *flags: str, timeout: float = 300) -> subprocess.Comple
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def flat_state(directory, scratch) -> dict:
+    """A group checkpoint as full tensors (model, AdamW state, outer state), read offline."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(directory, scratch)
+    out = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(torch.load(scratch, weights_only=False), "")
+    return out

@@ -8,8 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import torchrun, train_cli
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import flat_state, torchrun, train_cli
 
 from flower_shard import checkpoint as C
 from flower_shard import metrics as M
@@ -83,22 +82,6 @@ RUN = (
     "--seq-len", "32", "--batch-size", "2", "--outer", "nesterov", "--eval-every", "0",
     "--checkpoint-every", "1", "--quiet",
 )  # fmt: skip
-
-
-def flat_state(directory, scratch) -> dict[str, torch.Tensor]:
-    """A group checkpoint as full tensors (model, AdamW state, outer state), read offline."""
-    dcp_to_torch_save(directory, scratch)
-    out = {}
-
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out[f"{prefix}{k}"] = v
-
-    walk(torch.load(scratch, weights_only=False), "")
-    return out
 
 
 def assert_same_state(a, b, tmp_path):

@@ -21,6 +21,8 @@ Started by ``flower-shard node``:
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import queue
 import sys
@@ -33,12 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flower_shard import checkpoint as C
 from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.data import check_fits, prepare_corpus
 from flower_shard.distributed import init_distributed
 from flower_shard.outer_sync import OuterSync
 
+RUN_FILE = "run.json"  # in a group's checkpoint folder: the settings of the run it belongs to
 IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
 
 
@@ -100,6 +104,18 @@ def run_key(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in (P.SERVER_ROUND, P.COLLECTIVE_PREFIX)}
 
 
+def checkpoint_key(config: dict) -> str:
+    """Where a group keeps its checkpoints of a run: by the run's name (the server's first
+    out-dir, which a resumed run inherits) and the group's place in it. Not by all settings: a
+    resumed run may change some (a new rendezvous address, a longer round timeout)."""
+    key = [config.get(P.RUN_NAME, ""), config[P.GROUP_INDEX], config[P.NUM_GROUPS]]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def resume_round(config: dict) -> int:
+    return int(config.get(P.RESUME_ROUND, 0))
+
+
 class GroupWorker:
     """What every rank of the group holds between rounds: the trainer for the current run."""
 
@@ -135,6 +151,7 @@ class GroupWorker:
             cfg, self.data_dir, group_index=int(config[P.GROUP_INDEX]), num_groups=cfg.groups
         )
         self.outer = None
+        self._store = None  # a new run (or a restarted server) has its own rendezvous store
         if config.get(P.TRANSPORT) == "collective":
             self.outer = OuterSync(
                 self.trainer.model,
@@ -145,6 +162,50 @@ class GroupWorker:
                 sync_optimizer_state=cfg.sync_optimizer_state,
             )
         self.run_key = key
+        if resume_round(config) > 0:
+            self.resume(config)
+
+    def checkpoint_root(self, config: dict) -> Path:
+        return self.work_dir / "checkpoints" / checkpoint_key(config)
+
+    def resume_point(self, config: dict) -> Path | None:
+        """Rank 0: the checkpoint a resumed run loads, or None (see :meth:`check`)."""
+        rnd = resume_round(config)
+        exact = config.get(P.TRANSPORT) == "collective"  # the weights live in the groups
+        found = C.latest_good(
+            self.checkpoint_root(config),
+            at_most=rnd,
+            accept=(lambda r: r == rnd) if exact else (lambda r: True),
+            log=lambda m: print(f"flower-shard group: {m}", file=sys.stderr, flush=True),
+        )
+        return found[1] if found else None
+
+    def resume(self, config: dict) -> None:
+        """Every rank: load this group's checkpoint for a resumed run.
+
+        Flower transport: the newest good one up to the resume round (the global weights come
+        from the server; the checkpoint gives AdamW state, LR schedule and data position);
+        none found means a fresh inner optimizer, logged. Collective transport: exactly the
+        resume round's, since the weights themselves come from it (:meth:`check` refused the
+        run before any rank acted if it is missing).
+        """
+        box = [None]
+        if self.rank == 0:
+            path = self.resume_point(config)
+            box = [str(path) if path else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        if box[0] is None:
+            if self.rank == 0:
+                print(
+                    f"flower-shard group: no checkpoint up to round {resume_round(config)}: "
+                    "continuing from the global weights with a fresh inner optimizer",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        loaded = self.trainer.load_checkpoint(box[0], self.outer)
+        if self.rank == 0:
+            print(f"flower-shard group: resumed from round {loaded} ({box[0]})", flush=True)
 
     @property
     def data_dir(self) -> Path:
@@ -160,6 +221,16 @@ class GroupWorker:
             return
         cfg = config_from_message(config, self.data, self.device_pref)
         check_fits(prepare_corpus(self.data_dir, cfg.data, cfg.tokenizer, cfg.eval_fraction), cfg)
+        if (
+            resume_round(config) > 0
+            and config.get(P.TRANSPORT) == "collective"
+            and self.resume_point(config) is None
+        ):
+            raise ConfigError(
+                f"resume: this group has no good checkpoint of round {resume_round(config)} "
+                f"under {self.checkpoint_root(config)}; the collective transport needs it "
+                "(the weights live in the groups): resume from an earlier run directory"
+            )
 
     # -- commands (run on every rank) ----------------------------------------------------------
 
@@ -199,6 +270,15 @@ class GroupWorker:
             if self.dump_dir and self.rank == 0:
                 self._save(arrays, config, "trained")
             arrays = inject_fault(self.fault_file, int(config[P.SERVER_ROUND]), arrays)
+        rnd, cfg = int(config[P.SERVER_ROUND]), t.cfg
+        if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):
+            saving = time.perf_counter()
+            root = self.checkpoint_root(config)
+            if self.rank == 0 and not (root / RUN_FILE).exists():  # which run this folder is
+                root.mkdir(parents=True, exist_ok=True)
+                (root / RUN_FILE).write_text(json.dumps(run_key(config), indent=1) + "\n")
+            t.save_checkpoint(root, rnd, self.outer)
+            metrics[P.CHECKPOINT_S] = time.perf_counter() - saving
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
         return {"metrics": metrics}, arrays
 

@@ -206,8 +206,16 @@ class ShardedFedAvg(FedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        resumed: dict | None = None,
     ) -> Result:
-        """Run ``num_rounds`` rounds; ``evaluate_fn`` (flower transport) returns ``eval-loss``."""
+        """Run rounds up to ``num_rounds``; ``evaluate_fn`` (flower transport) returns
+        ``eval-loss``.
+
+        ``resumed`` continues a run from a server checkpoint: ``round`` (the last round done),
+        ``outer`` (the outer optimizer's state) and ``history`` (the rounds so far);
+        ``initial_arrays`` are then that checkpoint's global weights.
+        """
         from flower_shard.outer_sync import OuterOptimizer
 
         t = self.fed.train
@@ -218,9 +226,16 @@ class ShardedFedAvg(FedAvg):
         self.outer = OuterOptimizer(
             flatten(initial, self.order), t.outer, t.outer_lr, t.outer_momentum
         )
+        first = 1
+        if resumed:
+            self.outer.load_state_dict(resumed["outer"])
+            self.history = list(resumed["history"])
+            first = resumed["round"] + 1
+            config[P.RESUME_ROUND] = resumed["round"]
         self._wait_for_groups(grid, timeout)
-        arrays, result, tokens = initial_arrays, Result(), 0
-        for rnd in range(1, num_rounds + 1):
+        arrays, result = initial_arrays, Result()
+        tokens = self.history[-1][M.TOKENS] if self.history else 0
+        for rnd in range(first, num_rounds + 1):
             start = time.perf_counter()
             self._round = {}
             messages = list(self.configure_train(rnd, arrays, config, grid))
@@ -244,6 +259,12 @@ class ShardedFedAvg(FedAvg):
                 self.on_round(record)
         result.arrays = arrays
         return result
+
+    @property
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        """The current global weights (the server's copy; in the collective transport the
+        groups hold the model and this stays the initial one)."""
+        return self._global
 
     def _record(self, rnd, ok, round_tokens, tokens, round_s, eval_loss, sent) -> dict:
         t = self.fed.train
