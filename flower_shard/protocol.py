@@ -21,6 +21,7 @@ SERVER_ROUND = "server-round"
 GROUP_INDEX = "group-index"
 NUM_GROUPS = "num-groups"
 COLLECTIVE_PREFIX = "collective-prefix"
+RUN_ID = "run-id"  # Flower's id of the run: two runs never share a group's trainer
 RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 

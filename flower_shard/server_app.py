@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from flower_shard import checkpoint as C
 from flower_shard import metrics as M
 from flower_shard import protocol as P
+from flower_shard.config import TrainConfig
 from flower_shard.federation import FederationConfig
 
 app = ServerApp()
@@ -73,10 +74,14 @@ def initial_arrays(fed: FederationConfig, vocab_size: int) -> dict[str, np.ndarr
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    fed = FederationConfig.from_run_config(dict(context.run_config))
-    out = Path(fed.train.out).resolve()
+    run_config = dict(context.run_config)
+    # Where to report, even when the rest of the run config is wrong.
+    out = Path(str(run_config.get(P.OUT_DIR) or TrainConfig.out)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
+        fed = FederationConfig.from_run_config(run_config)
+        out = Path(fed.train.out).resolve()
+        out.mkdir(parents=True, exist_ok=True)
         run(grid, fed, out)
     except Exception as exc:
         (out / SUMMARY_FILE).write_text(

@@ -14,8 +14,8 @@ On failure: a call whose configuration is invalid is answered with an error and 
 nothing. An exception in the middle of a collective command leaves the ranks out of step, so
 the whole job exits (torchrun stops every rank) and whoever started it restarts it.
 
-Started by ``flower-shard node``:
-``torchrun --nproc-per-node K -m flower_shard.clients.group_service --socket PATH --work-dir DIR``
+Started by ``flower-shard node``: ``torchrun --nproc-per-node K -m
+flower_shard.clients.group_service --address unix:PATH --work-dir DIR``
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ class ShardedFedAvg(FedAvg):
             cfg[P.GROUP_INDEX] = index
             cfg[P.NUM_GROUPS] = len(node_ids)
             cfg[P.COLLECTIVE_PREFIX] = f"run{grid.run.run_id}/round{server_round}"
+            cfg[P.RUN_ID] = grid.run.run_id  # a new run gets a fresh trainer in the group
             content = RecordDict({P.CONFIG: cfg})
             if self.fed.transport == "flower":
                 content[P.ARRAYS] = arrays
