@@ -302,7 +302,7 @@ class LocalDeployment:
                 self._follow(out, seen, on_round)
                 return json.loads(summary.read_text())
             for node in self.nodes:
-                if reason := node.dead():
+                if reason := node.supervise(self.log):
                     raise RuntimeError(f"a node died during the run: {reason}")
             time.sleep(0.2)
         raise TimeoutError(f"the run did not finish in {timeout} s; see {self.work_dir}")

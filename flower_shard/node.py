@@ -61,6 +61,10 @@ class NodeConfig:
     """Fault injection: the group spoils its replies as this file says (tests, drills)."""
     ready_timeout: float = 180.0
     """Seconds to wait for the group and the SuperNode to come up."""
+    max_restarts: int = 3
+    """Restart the group up to this many times when it dies (a rank killed, out of memory);
+    the SuperNode stays connected, so the group keeps its place and rejoins at the next round.
+    0: the node exits when its group dies."""
 
     def validate(self) -> NodeConfig:
         host, _, port = self.superlink.rpartition(":")
@@ -68,6 +72,8 @@ class NodeConfig:
             raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
         if self.nproc_per_group < 1:
             raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not 0 < self.poll_interval <= 3:
             raise ConfigError(
                 f"--poll-interval must be in (0, 3] seconds, got {self.poll_interval}"
@@ -200,6 +206,8 @@ class Node:
         self.port = cfg.port or free_port()
         self.group: ManagedProcess | None = None
         self.supernode: ManagedProcess | None = None
+        self.restarts = 0
+        """How many times :meth:`supervise` restarted the group."""
 
     def start(self, supernode: bool = True) -> None:
         """Start the group, wait until it answers, then (optionally) the SuperNode."""
@@ -315,6 +323,30 @@ class Node:
                 )
             time.sleep(0.2)
 
+    def supervise(self, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> str | None:
+        """Restart a dead group (up to ``max_restarts`` times); say why the node cannot go on.
+
+        Returns None while the node can serve. The restart does not wait for the new group:
+        until it answers, the ClientApp replies with an error and the server leaves this group
+        out of the round; once up, the group rejoins from the global weights and its own last
+        checkpoint (inner optimizer, LR schedule, data position).
+        """
+        if self.supernode is not None and not self.supernode.alive():
+            return self.dead()
+        if self.group is None or self.group.alive():
+            return None
+        if self.restarts >= self.cfg.max_restarts:
+            return f"{self.dead()}\n(restarted {self.restarts} times already: giving up)"
+        self.restarts += 1
+        log(
+            f"flower-shard node: the group exited with {self.group.proc.returncode}; restart "
+            f"{self.restarts}/{self.cfg.max_restarts}:\n{self.group.tail(5)}"
+        )
+        self.group.stop()
+        Path(self.address.removeprefix("unix:")).unlink(missing_ok=True)
+        self.launch_group()
+        return None
+
     def dead(self) -> str | None:
         """Which part has died, if any."""
         for part in (self.group, self.supernode):
@@ -349,7 +381,7 @@ def run_node(cfg: NodeConfig) -> int:
             flush=True,
         )
         while not stopping:
-            reason = node.dead()
+            reason = node.supervise()
             if reason:
                 print(f"flower-shard node: {reason}", file=sys.stderr, flush=True)
                 return 1
@@ -399,6 +431,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=d.poll_interval,
         help="the SuperNode's idle poll in seconds (Flower's own: 3)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        help="restart the group up to this many times when it dies (0: the node exits)",
+    )
     parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
 
@@ -417,4 +455,5 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         dump_dir=args.dump_dir,
         fault_file=args.fault_file,
         poll_interval=args.poll_interval,
+        max_restarts=args.max_restarts,
     )

@@ -164,6 +164,32 @@ class GroupWorker:
         self.run_key = key
         if resume_round(config) > 0:
             self.resume(config)
+        elif cfg.checkpoint_every and int(config[P.SERVER_ROUND]) > 1:
+            self.rejoin(config)
+
+    def rejoin(self, config: dict) -> None:
+        """Every rank: a restarted group joins a run in progress (flower transport).
+
+        The global weights arrive with the message; the inner optimizer state, LR schedule and
+        data position come from this group's newest good checkpoint of the run, if any.
+        """
+        box = [None]
+        if self.rank == 0 and config.get(P.TRANSPORT) == "flower":
+            found = C.latest_good(
+                self.checkpoint_root(config),
+                at_most=int(config[P.SERVER_ROUND]) - 1,
+                log=lambda m: print(f"flower-shard group: {m}", file=sys.stderr, flush=True),
+            )
+            box = [str(found[1]) if found else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        if box[0] is not None:
+            loaded = self.trainer.load_checkpoint(box[0], self.outer)
+            if self.rank == 0:
+                print(
+                    f"flower-shard group: rejoined round {config[P.SERVER_ROUND]} with the "
+                    f"state of its checkpoint of round {loaded}",
+                    flush=True,
+                )
 
     def checkpoint_root(self, config: dict) -> Path:
         return self.work_dir / "checkpoints" / checkpoint_key(config)

@@ -1,8 +1,13 @@
-"""Server failure and exact resume on a real Flower deployment, for both transports.
+"""Failures on a real Flower deployment: a killed ServerApp, a killed rank.
 
-A run of 4 rounds straight through is the reference. A second run with the same settings has
-its ServerApp killed (SIGKILL) after round 2; a new ``flwr run`` with ``resume`` continues it on
-the same, still running groups. The resumed run must end bit-identical to the straight one.
+Server: a run of 4 rounds straight through is the reference. A second run with the same
+settings has its ServerApp killed (SIGKILL) after round 2; a new ``flwr run`` with ``resume``
+continues it on the same, still running groups. The resumed run must end bit-identical to the
+straight one, for both transports.
+
+Group: a rank of one group is killed (SIGKILL) during a round; the round completes with the
+other group, the node restarts the group, which rejoins from the global weights and its own
+last checkpoint, and the run finishes every round.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -24,14 +30,18 @@ from flower_shard import protocol as P
 from flower_shard.clients.group_service import RUN_FILE
 from flower_shard.deployment import LocalDeployment
 from flower_shard.metrics import read_metrics
-from flower_shard.processes import free_port
+from flower_shard.processes import free_port, marked_pids
 
 ROUNDS = 4
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    with LocalDeployment(tmp_path_factory.mktemp("resume"), num_nodes=2, nproc_per_group=2) as dep:
+    work = tmp_path_factory.mktemp("failures")
+    dump = work / "dump"
+    dump.mkdir()
+    with LocalDeployment(work, num_nodes=2, nproc_per_group=2, dump_dir=str(dump)) as dep:
+        dep.dump = dump
         yield dep
 
 
@@ -123,3 +133,57 @@ def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, tra
         fa = load_file(straight / "final_model.safetensors")
         fb = load_file(resumed / "final_model.safetensors")
         assert all(np.array_equal(fa[k], fb[k]) for k in fa)
+
+
+def rank_pids(node) -> list[int]:
+    """The rank processes of a node's group (not the torchrun agent)."""
+    pids = []
+    for pid in marked_pids(node.group.marker):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"group_service" in cmd and b"torch.distributed.run" not in cmd:
+            pids.append(pid)
+    return pids
+
+
+def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
+    node = deployment.nodes[1]
+    old_marker, restarts = node.group.marker, node.restarts
+    started = deployment.dump / "g1_r2_loaded.safetensors"  # the group is training round 2
+    started.unlink(missing_ok=True)
+    killed = []
+
+    def kill_a_rank_mid_round() -> None:
+        deadline = time.monotonic() + 300
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        victims = rank_pids(node)
+        if len(victims) == 2:
+            os.kill(victims[-1], signal.SIGKILL)
+            killed.append(victims[-1])
+
+    killer = threading.Thread(target=kill_a_rank_mid_round, daemon=True)
+    killer.start()
+    run_config = config(tmp_path, "flower", **{P.NUM_SERVER_ROUNDS: 6, P.LOCAL_STEPS: 8})
+    summary = deployment.run(run_config | {P.MIN_GROUPS: 1})
+    killer.join(timeout=5)
+    assert killed, "no rank was killed"
+    assert summary["status"] == "ok" and summary["rounds"] == 6
+    rounds = read_metrics(tmp_path)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5, 6]  # nothing stopped the run
+    assert rounds[0]["groups_ok"] == 2
+    assert rounds[1]["groups_ok"] == 1 and rounds[1]["groups_rejected"] == 1
+    assert "error reply" in rounds[1]["rejected"][0]
+    assert rounds[-1]["groups_ok"] == 2  # the restarted group is back
+    assert node.restarts == restarts + 1
+    assert not marked_pids(old_marker), "the dead group left processes behind"
+    log = (node.work_dir / "group.log").read_text()
+    assert "rejoined round" in log and "checkpoint of round" in log
+
+    # The rejoined group started the last round from exactly the global model.
+    global_5, _, _ = C.load_server(C.round_dir(tmp_path / "checkpoints" / "server", 5))
+    for g in (0, 1):
+        loaded = load_file(deployment.dump / f"g{g}_r6_loaded.safetensors")
+        assert all(np.array_equal(loaded[k], global_5[k]) for k in global_5), g
