@@ -34,6 +34,9 @@ class FederationConfig:
     """A round updates the global model only if at least this many groups replied validly."""
     round_timeout: float = 600.0
     """Seconds to wait for the groups' replies in one round; late groups are left out."""
+    sync_timeout: float = 120.0
+    """Collective transport: seconds a group waits for its peers in the cross-group
+    rendezvous and all-reduce; past it the group abandons that sync and keeps its weights."""
     collective_address: str = "127.0.0.1:29600"
     """HOST:PORT where the ServerApp hosts the cross-group rendezvous (collective transport)."""
     poll_interval: float = 0.05
@@ -85,8 +88,8 @@ class FederationConfig:
             raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
         if self.min_groups < 1:
             raise ConfigError(f"min-groups must be >= 1, got {self.min_groups}")
-        if self.round_timeout <= 0 or self.poll_interval <= 0:
-            raise ConfigError("round-timeout and poll-interval must be > 0")
+        if self.round_timeout <= 0 or self.poll_interval <= 0 or self.sync_timeout <= 0:
+            raise ConfigError("round-timeout, sync-timeout and poll-interval must be > 0")
         host, _, port = self.collective_address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"collective-address {self.collective_address!r} must be HOST:PORT")
@@ -106,6 +109,7 @@ class FederationConfig:
             P.OUTER_LR: t.outer_lr,
             P.OUTER_MOMENTUM: t.outer_momentum,
             P.ROUND_TIMEOUT: self.round_timeout,
+            P.SYNC_TIMEOUT: self.sync_timeout,
             P.COLLECTIVE_ADDRESS: self.collective_address,
         }
         return cfg

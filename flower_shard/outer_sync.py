@@ -188,6 +188,20 @@ class OuterSync:
             sent_bytes=2 * (groups - 1) * payload // groups,
         )
 
+    def _touched(self) -> list[torch.Tensor]:
+        moments = self._moments() if self.sync_optimizer_state else []
+        return self.params + moments + list(self.outer.buffers().values())
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of everything :meth:`sync` changes (this rank's shards, the synced moments,
+        the outer state): :meth:`restore` them when a sync fails half-way."""
+        return [t.detach().clone() for t in self._touched()]
+
+    @torch.no_grad()
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._touched(), saved, strict=True):
+            t.copy_(s)
+
     def state_dict(self) -> dict:
         return {"outer": self.outer.state_dict()}
 

@@ -187,3 +187,53 @@ def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
     for g in (0, 1):
         loaded = load_file(deployment.dump / f"g{g}_r6_loaded.safetensors")
         assert all(np.array_equal(loaded[k], global_5[k]) for k in global_5), g
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    """3 groups of 1 rank; the third dies (SIGKILL, all ranks) before its sync in round 2."""
+    work = tmp_path_factory.mktemp("trio")
+    dump = work / "dump"
+    dump.mkdir()
+    fault = work / "fault"
+    fault.write_text("2:die")
+    with LocalDeployment(
+        work,
+        num_nodes=3,
+        nproc_per_group=1,
+        dump_dir=str(dump),
+        fault_files=[None, None, str(fault)],
+    ) as dep:
+        dep.dump = dump
+        yield dep
+
+
+def test_collective_sync_survives_a_dead_group(trio, tmp_path):
+    run_config = config(
+        tmp_path,
+        "collective",
+        **{P.MIN_GROUPS: 1, P.SYNC_TIMEOUT: 10.0, P.OUTER_OPTIMIZER: "fedavg"},
+    )
+    summary = trio.run(run_config | {"checkpoint-every": 0})
+    assert summary["status"] == "ok" and summary["rounds"] == ROUNDS
+    rounds = read_metrics(tmp_path)
+    assert [r["groups_ok"] for r in rounds] == [3, 0, 2, 2]
+    abandoned = [r for r in rounds[1]["rejected"] if P.SYNC_ABANDONED in r]
+    assert len(abandoned) == 2 and len(rounds[1]["rejected"]) == 3  # 2 live groups + the dead
+    assert [r["groups_dropped"] for r in rounds] == [0, 1, 1, 1]
+    assert rounds[-1]["eval_loss"] > 0  # evaluated by the live groups
+
+    def dumped(g, rnd, stage):
+        return load_file(trio.dump / f"g{g}_r{rnd}_{stage}.safetensors")
+
+    # Group indices follow the sorted node ids: find the dead one by what it left.
+    live = [g for g in range(3) if (trio.dump / f"g{g}_r3_trained.safetensors").exists()]
+    assert len(live) == 2
+    assert not list(trio.dump.glob("g*_r2_synced.safetensors"))  # round 2's sync: abandoned
+    for rnd in (3, 4):  # the cross-group group was rebuilt from the 2 live groups
+        trained = [dumped(g, rnd, "trained") for g in live]
+        synced = [dumped(g, rnd, "synced") for g in live]
+        for k in trained[0]:
+            mean = (trained[0][k] + trained[1][k]) / np.float32(2)
+            assert np.array_equal(synced[0][k], mean) and np.array_equal(synced[1][k], mean), k
+    assert trio.nodes[2].restarts == 1  # its node brought it back; it sits the run out

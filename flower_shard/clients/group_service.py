@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import queue
+import signal
 import sys
 import time
 from concurrent import futures
@@ -74,13 +75,9 @@ def inject_fault(fault_file: str | None, server_round: int, arrays: dict) -> dic
     ``shape`` (one array loses a row), ``missing`` (one array is left out), ``extra`` (an
     unexpected array is added), ``huge`` (every value times 1e6).
     """
-    if not fault_file or not arrays or not os.path.exists(fault_file):
+    kinds = fault_kinds(fault_file, server_round)
+    if not kinds or not arrays:
         return arrays
-    kinds = [
-        item.split(":", 1)[1].strip()
-        for item in Path(fault_file).read_text().split(",")
-        if item.strip() and int(item.split(":", 1)[0]) == server_round
-    ]
     arrays = dict(arrays)
     first = next(iter(arrays))
     for kind in kinds:
@@ -99,9 +96,26 @@ def inject_fault(fault_file: str | None, server_round: int, arrays: dict) -> dic
     return arrays
 
 
+def inject_death(fault_file: str | None, server_round: int) -> None:
+    """Fault injection: ``ROUND:die`` in the fault file kills every rank of the group (SIGKILL)
+    just before the cross-group sync of that round."""
+    if "die" in fault_kinds(fault_file, server_round):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_kinds(fault_file: str | None, server_round: int) -> list[str]:
+    """The faults that ``fault_file`` (``ROUND:KIND`` items, comma-separated) sets for a round;
+    read every round, so a running group can be turned bad and good again."""
+    if not fault_file or not os.path.exists(fault_file):
+        return []
+    items = [i.split(":", 1) for i in Path(fault_file).read_text().split(",") if i.strip()]
+    return [kind.strip() for rnd, kind in items if int(rnd) == server_round]
+
+
 def run_key(config: dict) -> dict:
     """What identifies a run in a message's config: everything but the per-round keys."""
-    return {k: v for k, v in config.items() if k not in (P.SERVER_ROUND, P.COLLECTIVE_PREFIX)}
+    per_round = (P.SERVER_ROUND, P.COLLECTIVE_PREFIX, P.SYNC_RANK, P.SYNC_SIZE)
+    return {k: v for k, v in config.items() if k not in per_round}
 
 
 def checkpoint_key(config: dict) -> str:
@@ -288,7 +302,10 @@ class GroupWorker:
         arrays = {}
         if self.outer is not None:  # collective: average with the other groups, send nothing
             self.dump(config, "trained")
-            stats = self.outer.sync(self.cross_group(config), weight=steps["tokens"])
+            inject_death(self.fault_file, int(config[P.SERVER_ROUND]))
+            stats, failure = self.sync_or_abandon(config, steps["tokens"])
+            if failure:  # the group lives on with its own weights; the server hears why
+                return {"error": f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
             metrics |= {P.SYNC_S: stats.seconds, P.SYNC_BYTES: stats.sent_bytes}
             self.dump(config, "synced")
         else:
@@ -307,6 +324,29 @@ class GroupWorker:
             metrics[P.CHECKPOINT_S] = time.perf_counter() - saving
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
         return {"metrics": metrics}, arrays
+
+    def sync_or_abandon(self, config: dict, weight: int):
+        """The cross-group sync, or, if any rank's part of it fails, none of it.
+
+        A dead or missing peer group makes the rendezvous or the all-reduce fail after
+        ``sync-timeout``. Each rank syncs its own shard with its own cross-group process
+        group, so one rank can succeed while another fails: the ranks agree over the group's
+        control group, and if any failed, all put back what they had before (shards, synced
+        moments, outer state). Returns (stats, None) or (None, the reason).
+        """
+        saved = self.outer.snapshot()
+        error = None
+        try:
+            stats = self.outer.sync(self.cross_group(config), weight=weight)
+        except Exception as exc:  # a timeout, a closed connection: DistError and kin
+            error, stats = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", None
+        failed = torch.tensor([0.0 if error is None else 1.0])
+        dist.all_reduce(failed, group=self.control)
+        if failed.item() == 0:
+            return stats, None
+        self.outer.restore(saved)
+        self._store = None  # the rendezvous may be what broke: connect afresh next round
+        return None, error or "another rank of this group failed its part of the sync"
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -354,12 +394,14 @@ class GroupWorker:
         under a prefix the server picks per round (so a new membership starts clean).
         """
         host, port = str(config[P.COLLECTIVE_ADDRESS]).rsplit(":", 1)
-        timeout = timedelta(seconds=float(config.get(P.ROUND_TIMEOUT, 600)))
+        timeout = timedelta(seconds=float(config.get(P.SYNC_TIMEOUT, 120)))
         if self._store is None:
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         prefix = f"{config[P.COLLECTIVE_PREFIX]}/shard{self.rank}"
         store = dist.PrefixStore(prefix, self._store)
-        g, n = int(config[P.GROUP_INDEX]), int(config[P.NUM_GROUPS])
+        # The round's live groups, which the server chose (a dead group is left out).
+        g = int(config.get(P.SYNC_RANK, config[P.GROUP_INDEX]))
+        n = int(config.get(P.SYNC_SIZE, config[P.NUM_GROUPS]))
         if self.device.type == "cuda":
             return dist.ProcessGroupNCCL(store, g, n)
         return dist.ProcessGroupGloo(store, g, n, timeout)

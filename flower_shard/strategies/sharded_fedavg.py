@@ -73,6 +73,8 @@ class ShardedFedAvg(FedAvg):
         self.expected: dict | None = None
         self.order: list[str] = []
         self.history: list[dict] = []
+        self.dropped: set[int] = set()
+        """Collective transport: nodes whose group died; later rounds leave them out."""
         self._round: dict = {}
 
     # -- one round ---------------------------------------------------------------------------
@@ -85,12 +87,19 @@ class ShardedFedAvg(FedAvg):
     def _messages(self, server_round, arrays, config, grid, message_type) -> list[Message]:
         """One message per node: the run config, its group index, and the weights (flower)."""
         node_ids = sorted(grid.get_node_ids())
+        # Collective: the groups that died are left out, and the live ones form this round's
+        # cross-group process group (their data parts stay where they were).
+        live = [n for n in node_ids if n not in self.dropped]
         messages = []
         for index, node in enumerate(node_ids):
+            if node not in live:
+                continue
             cfg = ConfigRecord(dict(config))
             cfg[P.SERVER_ROUND] = server_round
             cfg[P.GROUP_INDEX] = index
             cfg[P.NUM_GROUPS] = len(node_ids)
+            cfg[P.SYNC_RANK] = live.index(node)
+            cfg[P.SYNC_SIZE] = len(live)
             cfg[P.COLLECTIVE_PREFIX] = f"run{grid.run.run_id}/round{server_round}"
             cfg[P.RUN_ID] = grid.run.run_id  # a new run gets a fresh trainer in the group
             content = RecordDict({P.CONFIG: cfg})
@@ -242,6 +251,8 @@ class ShardedFedAvg(FedAvg):
             messages = list(self.configure_train(rnd, arrays, config, grid))
             sent = arrays.count_bytes() * len(messages) if self.fed.transport == "flower" else 0
             replies = self.send_and_receive(grid, messages, self.fed.round_timeout)
+            if self.fed.transport == "collective":
+                self._drop_dead(rnd, messages, replies)
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
@@ -260,6 +271,24 @@ class ShardedFedAvg(FedAvg):
                 self.on_round(record)
         result.arrays = arrays
         return result
+
+    def _drop_dead(self, rnd: int, messages: list[Message], replies: list[Message]) -> None:
+        """Leave out of later collective rounds every group that did not answer, or failed for
+        another reason than an abandoned sync (a group that abandoned the sync is alive)."""
+        alive = {
+            r.metadata.src_node_id
+            for r in replies
+            if not r.has_error() or P.SYNC_ABANDONED in r.error.reason
+        }
+        dead = {m.metadata.dst_node_id for m in messages} - alive
+        if dead:
+            self.dropped |= dead
+            log(
+                WARNING,
+                "round %s: group(s) of node(s) %s failed; the next rounds sync without them",
+                rnd,
+                sorted(dead),
+            )
 
     @property
     def global_arrays(self) -> dict[str, np.ndarray]:
@@ -296,6 +325,7 @@ class ShardedFedAvg(FedAvg):
             else max((int(g.get(P.SYNC_BYTES, 0)) for g in groups), default=0),
             "groups_ok": len(ok),
             "groups_rejected": len(self._round["rejected"]),
+            "groups_dropped": len(self.dropped),
             "rejected": self._round["rejected"],
             "exchange_bytes": sent + received,
             "push_s": self._round.get("push_s", 0.0),
