@@ -23,7 +23,7 @@ from cryptography import x509
 from flower_shard import protocol as P
 from flower_shard.certificates import load_supernode_private_key, load_supernode_public_key
 from flower_shard.config import ConfigError
-from flower_shard.processes import ManagedProcess, free_port
+from flower_shard.processes import ManagedProcess, free_port, marked_pids
 
 
 @dataclass
@@ -346,6 +346,18 @@ class Node:
         Path(self.address.removeprefix("unix:")).unlink(missing_ok=True)
         self.launch_group()
         return None
+
+    def rank_pids(self) -> list[int]:
+        """The group's rank processes (not its torchrun agent): targets for fault drills."""
+        pids = []
+        for pid in marked_pids(self.group.marker) if self.group else []:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"group_service" in cmd and b"torch.distributed.run" not in cmd:
+                pids.append(pid)
+        return pids
 
     def dead(self) -> str | None:
         """Which part has died, if any."""

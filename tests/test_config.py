@@ -64,6 +64,8 @@ def test_config_rejects_bad_values(kwargs, message):
         (["--groups", "two"], "invalid int value"),
         (["--nproc-per-group", "2", "--sharding", "hsdp", "--replicate", "3"], "--replicate 3"),
         (["--seq-len", "100000000"], "fewer than --batch-size"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every and --keep-checkpoints must be >= 0"),
+        (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: no checkpoints/ there"),
     ],
 )
 def test_cli_fails_fast_with_one_line(tmp_path, args, message):
@@ -97,6 +99,7 @@ def test_config_round_trips_through_json(tmp_path):
         (["node", "--nproc-per-group", "0"], "--nproc-per-group must be >= 1"),
         (["node", "--data", "/nonexistent/text"], "--data /nonexistent/text: no such directory"),
         (["node", "--poll-interval", "0"], "--poll-interval must be in (0, 3]"),
+        (["node", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
         (["node", "--root-certificates", "/nonexistent/ca.crt"], "no such file"),
         (["node", "--auth-supernode-private-key", __file__], "needs both"),
         (["plan", "--model", "gpt5"], "--model 'gpt5' is unknown"),

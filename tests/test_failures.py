@@ -135,19 +135,6 @@ def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, tra
         assert all(np.array_equal(fa[k], fb[k]) for k in fa)
 
 
-def rank_pids(node) -> list[int]:
-    """The rank processes of a node's group (not the torchrun agent)."""
-    pids = []
-    for pid in marked_pids(node.group.marker):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"group_service" in cmd and b"torch.distributed.run" not in cmd:
-            pids.append(pid)
-    return pids
-
-
 def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
     node = deployment.nodes[1]
     old_marker, restarts = node.group.marker, node.restarts
@@ -159,7 +146,7 @@ def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
         deadline = time.monotonic() + 300
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        victims = rank_pids(node)
+        victims = node.rank_pids()
         if len(victims) == 2:
             os.kill(victims[-1], signal.SIGKILL)
             killed.append(victims[-1])

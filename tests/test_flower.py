@@ -251,6 +251,11 @@ def test_bad_run_config_fails_with_one_line():
         ({"local-steps": 0}, "--local-steps"),
         ({"lcoal-steps": 3}, "unknown run-config keys"),
         ({"collective-address": "nowhere"}, "HOST:PORT"),
+        ({"sync-timeout": 0}, "sync-timeout"),
+        ({"checkpoint-every": -1}, "--checkpoint-every"),
+        ({"resume": "/nonexistent/run"}, "no checkpoints/ there"),
+        ({"outlier-factor": -1}, "outlier-factor"),
+        ({"aggregation": "median"}, "aggregation"),
     ):
         with pytest.raises(ConfigError, match=message):
             FederationConfig.from_run_config(bad)
