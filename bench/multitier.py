@@ -21,6 +21,7 @@ model's predicted speed-up next to the measured one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -29,9 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from flower_shard import protocol as P
 from flower_shard.config import TrainConfig
 from flower_shard.costmodel import Layout, Network, Workload, outer_sync_bytes, predict
 from flower_shard.data import prepare_corpus
+from flower_shard.deployment import LocalDeployment
 from flower_shard.emulated_network import EmulatedNetwork, available
 from flower_shard.metrics import read_metrics
 from flower_shard.models import build_model, count_parameters
@@ -90,6 +93,76 @@ def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Pat
     }
 
 
+class SiteDeployment(LocalDeployment):
+    """A real Flower deployment across the emulated sites: the SuperLink (and the ServerApp)
+    in site 0, node i (its group and SuperNode) in site i. Site 1's weights cross the slow link
+    to the server and back every round; the ranks of a group talk over their site's loopback."""
+
+    def __init__(self, net: EmulatedNetwork, work: Path, nproc_per_group: int):
+        super().__init__(work, num_nodes=net.sites, nproc_per_group=nproc_per_group)
+        self.net = net
+        self.host = net.addresses[0]
+
+    def command_prefix(self, node: int | None) -> list[str]:
+        if node is None:
+            return self.net.prefix(0)
+        return self.net.prefix(node) + ["env", "GLOO_SOCKET_IFNAME=lo"]
+
+
+def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
+    """One FL+FSDP run through Flower (flower transport) on the sites; metrics as for torchrun."""
+    out = work / f"flower_t{cfg.local_steps}"
+    before = dep.net.site_bytes()
+    start = time.perf_counter()
+    summary = dep.run(
+        {
+            P.NUM_SERVER_ROUNDS: cfg.rounds,
+            P.LOCAL_STEPS: cfg.local_steps,
+            P.OUT_DIR: str(out),
+            P.TRANSPORT: "flower",
+            P.MIN_GROUPS: dep.num_nodes,
+            P.EVAL_EVERY: cfg.eval_every,
+            P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+            "model": cfg.model,
+            "seq-len": cfg.seq_len,
+            "batch-size": cfg.batch_size,
+            "lr": cfg.lr,
+            "seed": cfg.seed,
+            "eval-sequences": cfg.eval_sequences,
+        },
+        timeout=3600,
+    )
+    if summary["status"] != "ok":
+        raise RuntimeError(f"flower run failed: {summary.get('error')}")
+    wall = time.perf_counter() - start
+    after = dep.net.site_bytes()
+    return {
+        "metrics": flower_rounds(read_metrics(out)),
+        "inter_bytes": sum(a["inter"] - b["inter"] for a, b in zip(after, before)),
+        "intra_bytes": sum(a["intra"] - b["intra"] for a, b in zip(after, before)),
+        "wall_s": wall,
+    }
+
+
+def flower_rounds(records: list[dict]) -> list[dict]:
+    """The ServerApp's rounds in the torchrun runs' terms: time without the server-side
+    evaluation; the exchange is everything in the round but the groups' compute (weights
+    gathered, sent, aggregated, sent back, loaded, and Flower's own messaging)."""
+    out, previous = [], 0
+    for r in records:
+        train_s = r["group_round_s"] + r["control_overhead_s"]
+        out.append(
+            r
+            | {
+                "round_s": train_s,
+                "tokens_per_s": (r["tokens"] - previous) / train_s,
+                "outer_sync_s": train_s - r["compute_s"],
+            }
+        )
+        previous = r["tokens"]
+    return out
+
+
 def wait_all(procs: list[ManagedProcess], timeout_s: float) -> None:
     """Wait for every site; on a failure, name the one that failed first and show every log.
 
@@ -117,7 +190,9 @@ def error_lines(p: ManagedProcess, limit: int = 40) -> str:
     return "\n".join(errors[:limit] + ["..."] + text[-15:])
 
 
-def make_configs(base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: bool) -> list:
+def make_configs(
+    base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: bool, flower: bool = False
+) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
     HSDP: the baseline shards inside a site and replicates across the two sites (R = 2);
@@ -158,6 +233,13 @@ def make_configs(base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: boo
             )
             for t in ts
         ]
+        if flower and kind == "fsdp":
+            out += [
+                (f"fl-fsdp-flower T={t}", dataclasses.replace(cfg, sharding="fsdp"))
+                for name, cfg in out
+                if name.startswith("fl-fsdp T=")
+                for t in [cfg.local_steps]
+            ]
     return out
 
 
@@ -246,6 +328,11 @@ def main() -> None:
         action="store_true",
         help="also HSDP vs FL+HSDP (use --ranks-per-site 4 for S >= 2)",
     )
+    p.add_argument(
+        "--flower",
+        action="store_true",
+        help="also FL+FSDP through a real Flower deployment (flower transport) across the sites",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
     args = p.parse_args()
@@ -274,13 +361,20 @@ def main() -> None:
         prepare_corpus(data)
         for rate in rates:
             samples: dict[str, list[dict]] = {}
-            with EmulatedNetwork(2, rate) as net:
+            with EmulatedNetwork(2, rate) as net, contextlib.ExitStack() as stack:
+                dep = None
+                if args.flower:
+                    dep = stack.enter_context(SiteDeployment(net, work / f"flower{rate:g}", k))
                 for rep in range(args.repeats):
-                    configs = make_configs(base_cfg, k, ts, args.steps, args.hsdp)
+                    configs = make_configs(base_cfg, k, ts, args.steps, args.hsdp, args.flower)
                     if rep % 2:
                         configs.reverse()
                     for name, cfg in configs:
-                        s = summarise(run_config(net, cfg, data, work), tokens_per_step)
+                        if "flower" in name:
+                            run = run_flower(dep, cfg, work)
+                        else:
+                            run = run_config(net, cfg, data, work)
+                        s = summarise(run, tokens_per_step)
                         samples.setdefault(name, []).append(s)
                         print(
                             f"{rate:g} Mbit/s repeat {rep + 1} {name:12s} "
@@ -309,7 +403,7 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for rate, entries in results["rates"].items():
         fl = sorted(
-            (int(n.split("=")[1]), e) for n, e in entries.items() if n.startswith("fl-fsdp")
+            (int(n.split("=")[1]), e) for n, e in entries.items() if n.startswith("fl-fsdp T=")
         )
         ts = [t for t, _ in fl]
         line = ax1.plot(
@@ -376,9 +470,10 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             "inter_bytes": med([r["inter_bytes"] for r in runs]),
         }
         if name.startswith("fl-"):
-            t = int(name.split("=")[1])
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
+        if name.startswith("fl-") and "flower" not in name:  # the model prices all-reduces
+            t = int(name.split("=")[1])
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["predicted_speedup"] = predicted_speedup(
                 params, compute, tokens_per_step, rate, k, t, hsdp=kind == "hsdp"

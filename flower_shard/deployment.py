@@ -96,9 +96,17 @@ class LocalDeployment:
         self.node_ids: list[int] = []
         """The SuperNode IDs that registering the keys returned (``supernode_auth``)."""
 
+    host = "127.0.0.1"
+    """Where the SuperLink listens (a subclass may bind it elsewhere)."""
+
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    def command_prefix(self, node: int | None) -> list[str]:
+        """What runs a process of the SuperLink (``node`` None) or of a node, e.g.
+        ``ip netns exec SITE`` in the emulated multi-tier network; nothing by default."""
+        return []
 
     def env(self) -> dict[str, str]:
         env = env_with_bin()
@@ -142,8 +150,11 @@ class LocalDeployment:
             self.tls_files = make_tls_certificates(self.work_dir / "certs")
         self._write_connection()
         cmd = [
+            *self.command_prefix(None),
             bin_path("flower-superlink"),
             "--disable-runtime-dependency-installation",
+            "--host",
+            self.host,
             "--port",
             str(self.port),
         ]
@@ -187,7 +198,8 @@ class LocalDeployment:
                     auth_private_key=(
                         str(self.node_keys[i].private_key) if self.supernode_auth else None
                     ),
-                )
+                ),
+                prefix=self.command_prefix(i),
             )
             self.nodes.append(node)
             node.launch_group()  # the groups start side by side

@@ -69,6 +69,7 @@ class EmulatedNetwork:
         self.site_ends = [f"fss{tag}{i}" for i in range(sites)]
         self.subnet = f"10.213.{random.randint(0, 255)}"
         self.addresses = [f"{self.subnet}.{i + 1}" for i in range(sites)]
+        self.bridge_address = f"{self.subnet}.254"
         self._up = False
 
     def __enter__(self) -> EmulatedNetwork:
@@ -87,6 +88,8 @@ class EmulatedNetwork:
         self._up = True
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "link", "set", self.bridge, "up")
+        # The root namespace reaches the sites through the bridge (health checks, `flwr`).
+        _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         for ns, host, site, addr in zip(
             self.namespaces, self.host_ends, self.site_ends, self.addresses
         ):

@@ -197,8 +197,11 @@ def _refusal(tail: str, cfg: NodeConfig) -> str:
 class Node:
     """A running node: the group and the SuperNode, started and stopped together."""
 
-    def __init__(self, cfg: NodeConfig):
+    def __init__(self, cfg: NodeConfig, prefix: list[str] | None = None):
+        """``prefix`` runs the group and the SuperNode through a wrapper command (the
+        multi-tier benchmark puts a node in a network namespace: ``ip netns exec SITE``)."""
         self.cfg = cfg.validate()
+        self.prefix = list(prefix or [])
         self.work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="flower-shard-node-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.work_dir, 0o700)  # the control socket is for this user only
@@ -224,6 +227,7 @@ class Node:
         """Spawn the group's torchrun job (returns at once; see :meth:`wait_group`)."""
         k = self.cfg.nproc_per_group
         cmd = [
+            *self.prefix,
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -283,6 +287,7 @@ class Node:
     def _start_supernode_once(self) -> None:
         cfg = self.cfg
         cmd = [
+            *self.prefix,
             sys.executable,
             "-m",
             "flower_shard.fast_supernode",

@@ -1,4 +1,5 @@
-"""The multi-tier benchmark's smoke run: real namespaces, real tbf links, real torchrun sites."""
+"""The multi-tier benchmark's smoke run: real namespaces, real tbf links, real torchrun sites,
+and a real Flower deployment across them."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     before = namespaces()
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--out", str(out)],
+        [sys.executable, str(BENCH), "--smoke", "--flower", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -42,3 +43,8 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert 1.0 <= ratio <= 1.6, ratio
     assert fl["predicted_speedup"] > 0 and fl["fraction_of_isolated"] > 0
     assert fl["ppl_equal_tokens"]["median"] > 1
+    # Through a real Flower deployment across the same sites: the same math, so the same
+    # global model, evaluated by the ServerApp instead of the ranks: the same perplexity.
+    flower = entries["fl-fsdp-flower T=4"]
+    assert flower["ppl_equal_tokens"] == fl["ppl_equal_tokens"]
+    assert 0 < flower["inter_byte_share"]["median"] < fsdp["inter_byte_share"]["median"]
