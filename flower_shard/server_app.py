@@ -63,6 +63,29 @@ class HeldOutEvaluator:
         return MetricRecord({P.EVAL_LOSS: total / count})
 
 
+def host_rendezvous(address: str, timeout_s: float):
+    """The TCPStore where the groups meet (collective transport), listening on ``address`` only.
+
+    torch's TCPStore listens on every interface whatever host it is given; a socket bound
+    here to HOST:PORT and handed over (``master_listen_fd``) keeps it on the configured one.
+    The store owns the socket from then on and closes it with itself.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    listener = socket.create_server((host, int(port)))
+    return dist.TCPStore(
+        host,
+        int(port),
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def initial_arrays(fed: FederationConfig, vocab_size: int) -> dict[str, np.ndarray]:
     """The first global model: the preset built from the run's seed, as float32 arrays."""
     from flower_shard.models import build_model
@@ -140,16 +163,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     logger = M.MetricsLogger(out, echo=not t.quiet, total_rounds=t.rounds)
     store = None
     if fed.transport == "collective":  # host the cross-group rendezvous for the groups
-        import torch.distributed as dist
-
-        host, port = fed.collective_address.rsplit(":", 1)
-        store = dist.TCPStore(
-            host,
-            int(port),
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=fed.round_timeout),
-        )
+        store = host_rendezvous(fed.collective_address, fed.round_timeout)
 
     def on_round(record: dict) -> None:
         # Checkpoint first: a metrics line means its round is safe on disk.

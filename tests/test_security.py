@@ -243,3 +243,28 @@ def test_node_security_flags_fail_with_one_line(tmp_path, capsys, flags, message
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), lines
     assert message.format(**paths) in lines[0]
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses listening on TCP ``port`` (IPv4 and IPv6), from /proc/net."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+def test_cross_group_rendezvous_listens_on_the_configured_interface_only():
+    from flower_shard.processes import free_port
+    from flower_shard.server_app import host_rendezvous
+
+    port = free_port()
+    store = host_rendezvous(f"127.0.0.1:{port}", 5.0)
+    assert _listening(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 nor ::
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    assert _listening(port) == set()  # gone with the store
