@@ -41,16 +41,22 @@ def torchrun_command(
     if cfg.nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        if rdzv_endpoint is None:
+        host, _, port = (rdzv_endpoint or "").rpartition(":")
+        if not host or not port.isdigit():
             raise ConfigError(
-                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every host)"
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT: host 0's address, the same on "
+                "every host"
             )
+        if not 0 <= node_rank < cfg.nnodes:
+            raise ConfigError(f"--node-rank {node_rank} must be in [0, --nnodes {cfg.nnodes})")
+        # Static rendezvous: host I gets ranks I*N/H .. (I+1)*N/H-1, so groups (consecutive
+        # ranks) map onto hosts as planned and rank 0 (which writes the metrics) is on host
+        # 0. torchrun's c10d rendezvous would order hosts by arrival and ignore --node-rank.
         cmd += [
             f"--nnodes={cfg.nnodes}",
             f"--node-rank={node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv_endpoint}",
-            "--rdzv-id=flower-shard",
+            f"--master-addr={host}",
+            f"--master-port={port}",
         ]
     return cmd + ["-m", module, str(config_path)]
 
@@ -70,7 +76,9 @@ def prepare_run(cfg: TrainConfig) -> Path:
     cfg.validate()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = prepare_corpus(out / DATA_SUBDIR, cfg.data, cfg.tokenizer, cfg.eval_fraction)
+    info = prepare_corpus(
+        out / DATA_SUBDIR, cfg.data, cfg.tokenizer, cfg.eval_fraction, cfg.text_column
+    )
     check_fits(info, cfg)
     metrics = out / METRICS_FILE
     if metrics.exists() and cfg.resume is None:  # a new run in the same directory: a new log
