@@ -75,6 +75,21 @@ def _subject_alt_names(hosts: tuple[str, ...] | list[str]) -> x509.SubjectAltern
     return x509.SubjectAlternativeName(names)
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """A CA signs certificates; a TLS server signs handshakes and agrees keys (ECDHE)."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=not ca,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def make_tls_certificates(
     out_dir: str | os.PathLike,
     hosts: tuple[str, ...] | list[str] = DEFAULT_HOSTS,
@@ -119,17 +134,7 @@ def make_tls_certificates(
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage(ca=True),
             critical=True,
         )
         .add_extension(ca_ski, critical=False)
@@ -147,17 +152,7 @@ def make_tls_certificates(
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=True,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage(ca=False),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
