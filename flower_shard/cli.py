@@ -13,6 +13,8 @@ running FL+FSDP on the default corpus with the tiny model.
 
 ``flower-shard report RUN_DIR [--vs OTHER_RUN_DIR ...]``: plots and a summary table of runs.
 
+``flower-shard export RUN_DIR --out DIR``: the run's final model as a ``transformers`` directory.
+
 Flags are made from :class:`~flower_shard.config.TrainConfig`'s fields (``--local-steps`` for
 ``local_steps``), with the field docstrings as help, so the CLI and the config cannot disagree.
 """
@@ -23,10 +25,13 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import shlex
 import sys
+from pathlib import Path
 
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.demo import add_demo_flags
+from flower_shard.export import add_export_flags
 from flower_shard.node import add_node_flags
 from flower_shard.planner import add_plan_flags
 from flower_shard.report import add_report_flags
@@ -90,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rdzv-endpoint",
         default=None,
-        help="HOST:PORT of the torchrun rendezvous, the same on every host",
+        help="HOST:PORT of host 0 (--node-rank 0), where the rendezvous runs; the same on every "
+        "host",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the configuration and print the torchrun command; start nothing",
     )
 
     text = "run one Flower client: a torchrun group plus flower-supernode"
@@ -104,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "plots and a summary table (report.md) from runs' metrics.jsonl"
     add_report_flags(sub.add_parser("report", help=text, description=text))
+
+    text = "save a finished run's final model (and tokenizer) with transformers' save_pretrained"
+    add_export_flags(sub.add_parser("export", help=text, description=text))
     return parser
 
 
@@ -131,9 +145,24 @@ def main(argv: list[str] | None = None) -> int:
             from flower_shard.report import report_from_args
 
             return report_from_args(args)
-        from flower_shard.launch import launch_train
+        if args.command == "export":
+            from flower_shard.export import export_from_args
+
+            return export_from_args(args)
+        from flower_shard.launch import CONFIG_FILE, launch_train, torchrun_command
 
         cfg = config_from_args(args)
+        if args.dry_run:
+            # The command may be meant for another host: CUDA need not be present here.
+            dataclasses.replace(cfg, device="auto").validate()
+            cmd = torchrun_command(
+                cfg,
+                Path(cfg.out, CONFIG_FILE),
+                node_rank=args.node_rank,
+                rdzv_endpoint=args.rdzv_endpoint,
+            )
+            print(shlex.join(cmd))
+            return 0
         return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     except ConfigError as exc:
         print(f"flower-shard: error: {exc}", file=sys.stderr)

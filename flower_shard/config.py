@@ -48,13 +48,20 @@ class TrainConfig:
     sync_optimizer_state: bool = False
     """Also average AdamW's first and second moments in the outer sync."""
     model: str = "tiny"
-    """Model preset: `tiny`, `small`, `base` or `llama3.1-8b` (see flower_shard.models)."""
+    """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
+    directory: config.json alone (built from it, initialised from the seed) or with safetensors
+    weights (loaded)."""
     data: str | None = None
-    """Directory of text files to train on; None means the running Python's standard library."""
+    """Directory of text files, or a .jsonl / .parquet file (or a directory with some) whose
+    --text-column holds one document per record; None means the Python standard library's source.
+    """
+    text_column: str = "text"
+    """The field (column) of .jsonl / .parquet records that holds the text."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
     eval_fraction: float = 0.05
-    """Fraction of files held out for evaluation (chosen by a hash of the file's path)."""
+    """Fraction of documents held out for evaluation (text files, or records of .jsonl / .parquet
+    files; chosen by a hash of the file's path and the record's index)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     batch_size: int = 4
@@ -117,7 +124,20 @@ class TrainConfig:
         _choice("--sharding", self.sharding, SHARDING_MODES)
         _choice("--outer", self.outer, OUTER_OPTIMIZERS)
         _choice("--device", self.device, DEVICES)
-        _choice("--model", self.model, tuple(PRESETS))
+        if self.model not in PRESETS:
+            if not Path(self.model).exists():
+                raise ConfigError(
+                    f"--model {self.model!r} is unknown; choose one of {', '.join(PRESETS)}, or "
+                    "give a local transformers model directory (with config.json)"
+                )
+            from flower_shard.models import hf_config
+
+            positions = getattr(hf_config(self.model), "max_position_embeddings", None)
+            if positions is not None and self.seq_len > positions:
+                raise ConfigError(
+                    f"--seq-len {self.seq_len} exceeds --model {self.model}'s "
+                    f"max_position_embeddings {positions}; use a shorter --seq-len"
+                )
         if self.world_size % self.nnodes:
             raise ConfigError(
                 f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
@@ -154,10 +174,17 @@ class TrainConfig:
                 f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
                 f"{self.outer_lr} and {self.outer_momentum}"
             )
-        if self.data is not None and not Path(self.data).is_dir():
-            raise ConfigError(
-                f"--data {self.data}: no such directory; point it at a directory of text files"
-            )
+        if self.data is not None:
+            from flower_shard.data import RECORD_SUFFIXES
+
+            data = Path(self.data)
+            if not data.is_dir() and not (data.is_file() and data.suffix in RECORD_SUFFIXES):
+                raise ConfigError(
+                    f"--data {self.data}: no such directory or .jsonl / .parquet file; point it "
+                    "at a directory of text files or at a .jsonl / .parquet file"
+                )
+        if not self.text_column:
+            raise ConfigError("--text-column must name a field of the records, got ''")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ConfigError(
                 f"--tokenizer {self.tokenizer}: no such directory; give a local Hugging Face "

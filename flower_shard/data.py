@@ -1,15 +1,21 @@
 """Training data: text files, tokenised once, packed into blocks, partitioned by group and rank.
 
 The built-in corpus is the source of the running Python's standard library (every machine has
-it, nothing is downloaded); ``--data DIR`` takes a directory of text files instead.
+it, nothing is downloaded); ``--data`` takes a directory of text files instead, or a ``.jsonl``
+/ ``.parquet`` file of records (or a directory holding such files), one document per record in
+the ``--text-column`` field.
 
 Pipeline (done once per run by the launcher, see :func:`prepare_corpus`):
 
-1. list the files in a fixed order (sorted relative paths);
-2. hold out whole files for evaluation, chosen by a hash of the relative path (deterministic,
-   independent of the seed, so every run of a corpus evaluates on the same text);
+1. list the files in a fixed order (sorted relative paths); a text file is one document, a
+   ``.jsonl`` / ``.parquet`` file one document per record (``PATH#INDEX``);
+2. hold out whole documents for evaluation, chosen by a hash of the document's name
+   (deterministic, independent of the seed, so every run of a corpus evaluates on the same text);
 3. tokenise (bytes by default, or a local Hugging Face tokenizer) and join the documents with an
    end-of-document token into one training and one evaluation stream, saved as ``.npy``.
+
+``.parquet`` needs ``datasets`` (or ``pyarrow``); ``.jsonl`` is read with ``datasets`` when it is
+installed and with the standard library's ``json`` otherwise.
 
 The ranks then memory-map the streams. The training stream is cut into blocks of
 ``seq_len + 1`` tokens; a seeded permutation of the blocks is split into G contiguous parts
@@ -22,7 +28,8 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +41,8 @@ from flower_shard.config import ConfigError
 TRAIN_FILE = "train.npy"
 EVAL_FILE = "eval.npy"
 META_FILE = "corpus.json"
+# Files of records (one document per record), as opposed to text files (one document each).
+RECORD_SUFFIXES = (".jsonl", ".parquet")
 
 
 def stdlib_dir() -> Path:
@@ -45,12 +54,17 @@ def list_documents(source: str | os.PathLike | None) -> tuple[Path, list[str]]:
     """The corpus root and its files as sorted relative POSIX paths.
 
     The standard library contributes its ``.py`` files (``site-packages`` excluded: that is not
-    the standard library); a user directory contributes every regular, non-hidden file.
+    the standard library); a user directory contributes every regular, non-hidden file; a single
+    ``.jsonl`` / ``.parquet`` file is the only file of its parent directory's corpus.
     """
+    if source is not None and Path(source).is_file() and Path(source).suffix in RECORD_SUFFIXES:
+        path = Path(source)
+        return path.parent, [path.name]
     root = stdlib_dir() if source is None else Path(source)
     if not root.is_dir():
         raise ConfigError(
-            f"--data {root}: no such directory; point it at a directory of text files"
+            f"--data {root}: no such directory or .jsonl / .parquet file; point it at a "
+            "directory of text files or at a .jsonl / .parquet file"
         )
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -69,8 +83,99 @@ def list_documents(source: str | os.PathLike | None) -> tuple[Path, list[str]]:
     return root, files
 
 
+def _read_jsonl_stdlib(path: Path, column: str) -> list:
+    values = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"--data {path}: line {number} is not JSON ({exc.msg}); write one JSON "
+                    "object per line"
+                ) from None
+            if not isinstance(record, dict) or column not in record:
+                fields = ", ".join(record) if isinstance(record, dict) else "none"
+                raise ConfigError(
+                    f"--text-column {column!r}: line {number} of {path} has no such field "
+                    f"(fields: {fields}); set --text-column to the field that holds the text"
+                )
+            values.append(record[column])
+    return values
+
+
+def _read_column(path: Path, column: str) -> list:
+    """The ``column`` values of a .jsonl / .parquet file's records, in file order.
+
+    Raises
+    ------
+    ConfigError
+        The column is missing, or a .parquet file cannot be read without ``datasets`` /
+        ``pyarrow``.
+    """
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        # The launcher's error must stay one line: no progress bars or info logs on stderr.
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        read = datasets.Dataset.from_json if path.suffix == ".jsonl" else None
+        read = read or datasets.Dataset.from_parquet
+        # A private cache: datasets would otherwise keep Arrow copies under ~/.cache for good.
+        with tempfile.TemporaryDirectory() as cache:
+            ds = read(str(path), cache_dir=cache, keep_in_memory=True)
+            if column not in ds.column_names:
+                raise ConfigError(
+                    f"--text-column {column!r}: {path} has no such column (columns: "
+                    f"{', '.join(ds.column_names)}); set --text-column to the one with the text"
+                )
+            return list(ds[column])
+    if path.suffix == ".jsonl":
+        return _read_jsonl_stdlib(path, column)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            f"--data {path}: reading .parquet needs the datasets package; pip install datasets "
+            "(or pyarrow), or convert the file to .jsonl"
+        ) from None
+    names = pq.read_schema(path).names
+    if column not in names:
+        raise ConfigError(
+            f"--text-column {column!r}: {path} has no such column (columns: {', '.join(names)}); "
+            "set --text-column to the one with the text"
+        )
+    return pq.read_table(path, columns=[column]).column(column).to_pylist()
+
+
+def iter_documents(root: Path, files: list[str], text_column: str) -> Iterable[tuple[str, bytes]]:
+    """``(name, UTF-8 text)`` of every document: a text file whole, a record file per record.
+
+    A record's name is ``PATH#INDEX`` (its position among the file's records), so the held-out
+    split picks records, not whole files: one .jsonl file is a corpus of its own.
+    """
+    for rel in files:
+        path = root / rel
+        if path.suffix not in RECORD_SUFFIXES:
+            yield rel, path.read_bytes()
+            continue
+        for index, value in enumerate(_read_column(path, text_column)):
+            if value is None:  # a record without text: nothing to train on
+                continue
+            if not isinstance(value, str):
+                raise ConfigError(
+                    f"--text-column {text_column!r}: record {index} of {path} holds "
+                    f"{type(value).__name__}, not text; set --text-column to a text field"
+                )
+            yield f"{rel}#{index}", value.encode("utf-8")
+
+
 def is_held_out(relpath: str, eval_fraction: float) -> bool:
-    """True if this file belongs to the evaluation split (a stable hash of its path)."""
+    """True if this document belongs to the evaluation split (a stable hash of its name)."""
     digest = hashlib.sha256(relpath.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
@@ -124,7 +229,9 @@ class CorpusInfo:
     train_tokens: int
     eval_tokens: int
     train_files: int
+    """Training documents (text files, or records of .jsonl / .parquet files)."""
     eval_files: int
+    """Held-out documents."""
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> CorpusInfo:
@@ -136,11 +243,12 @@ def prepare_corpus(
     source: str | None = None,
     tokenizer: str | None = None,
     eval_fraction: float = 0.05,
+    text_column: str = "text",
 ) -> CorpusInfo:
     """Tokenise the corpus into ``out_dir`` (train.npy, eval.npy, corpus.json) and describe it.
 
     Reuses an earlier preparation in ``out_dir`` when it was made from the same files (same
-    names, sizes and modification times), tokenizer and split.
+    names, sizes and modification times), tokenizer, split and, for record files, text column.
     """
     root, files = list_documents(source)
     tok = load_tokenizer(tokenizer)
@@ -149,6 +257,9 @@ def prepare_corpus(
         st = (root / rel).stat()
         fingerprint.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     fingerprint.update(f"{tok.name}\0{eval_fraction}".encode())
+    # Only record files read the column: leave text-only fingerprints (and caches) as they were.
+    if any(Path(rel).suffix in RECORD_SUFFIXES for rel in files):
+        fingerprint.update(f"\0column={text_column}".encode())
     out = Path(out_dir)
     stamp = out / "fingerprint"
     if stamp.exists() and stamp.read_text() == fingerprint.hexdigest():
@@ -157,14 +268,15 @@ def prepare_corpus(
     streams: dict[bool, list[np.ndarray]] = {False: [], True: []}
     counts = {False: 0, True: 0}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    for rel in files:
-        held_out = is_held_out(rel, eval_fraction)
-        streams[held_out] += [tok.encode((root / rel).read_bytes()).astype(np.uint32), eos]
+    for name, text in iter_documents(root, files, text_column):
+        held_out = is_held_out(name, eval_fraction)
+        streams[held_out] += [tok.encode(text).astype(np.uint32), eos]
         counts[held_out] += 1
     if not counts[False] or not counts[True]:
         raise ConfigError(
-            f"corpus {root}: {len(files)} file(s) cannot be split into training and held-out "
-            f"files with --eval-fraction {eval_fraction}; add files or change the fraction"
+            f"corpus {source or root}: {sum(counts.values())} document(s) cannot be split into "
+            f"training and held-out documents with --eval-fraction {eval_fraction}; add data "
+            "or change the fraction"
         )
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     out.mkdir(parents=True, exist_ok=True)
@@ -289,7 +401,11 @@ def eval_shard(
 
 
 def check_fits(info: CorpusInfo, cfg) -> None:
-    """Fail before launch if the corpus cannot feed the topology (see :func:`partition`)."""
+    """Fail before launch if the corpus cannot feed the topology (see :func:`partition`), or if
+    its tokenizer emits ids the model cannot embed."""
+    from flower_shard.models import check_vocab
+
+    check_vocab(cfg.model, info.vocab_size, cfg.tokenizer)
     n_train = info.train_tokens // (cfg.seq_len + 1)
     per_rank = n_train // cfg.world_size
     if per_rank < cfg.batch_size:

@@ -3,7 +3,8 @@
 Outputs in ``out-dir``: ``metrics.jsonl`` (one line per round, the group runtime's fields plus
 ``groups_ok``, ``groups_rejected``, ``rejected``, ``exchange_bytes``, ``round_s``,
 ``control_overhead_s``), ``final_model.safetensors`` (flower transport), ``summary.json``
-(status ``ok`` or ``failed`` with the reason: ``flwr run`` itself exits 0 either way).
+(status ``ok`` or ``failed`` with the reason: ``flwr run`` itself exits 0 either way; on success
+also ``model``, ``tokenizer`` and ``seq_len``, which ``flower-shard export`` reads).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class HeldOutEvaluator:
         from flower_shard.models import build_model
 
         t = fed.train
-        info = prepare_corpus(out / "data", t.data, t.tokenizer, t.eval_fraction)
+        info = prepare_corpus(out / "data", t.data, t.tokenizer, t.eval_fraction, t.text_column)
         self.blocks = eval_shard(out / "data", t.seq_len, t.eval_sequences, 0, 1)
         self.batch_size = t.batch_size
         self.model = build_model(t.model, info.vocab_size, t.seed, t.seq_len)
@@ -201,9 +202,22 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         "rounds": len(strategy.history),
         "transport": fed.transport,
         "final": strategy.history[-1] if strategy.history else None,
+        # What `flower-shard export` needs to rebuild the model around final_model.safetensors.
+        "model": _resolved(t.model),
+        "tokenizer": _resolved(t.tokenizer),
+        "seq_len": t.seq_len,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
     del store
+
+
+def _resolved(path: str | None) -> str | None:
+    """A local path made absolute (the run dir may be read from elsewhere); presets unchanged."""
+    from flower_shard.models import is_preset
+
+    if not path or is_preset(path) or not Path(path).exists():
+        return path
+    return str(Path(path).resolve())
 
 
 def _jsonable(obj):

@@ -5,12 +5,15 @@ validated the configuration and prepared the corpus in ``OUT/data`` before any r
 
 A round is T inner steps of FSDP2/HSDP inside each group, then the outer sync over the
 ``group`` mesh dimension (skipped for G = 1, which is the plain FSDP/HSDP baseline), then, every
-E rounds, held-out perplexity of the synchronised model.
+E rounds, held-out perplexity of the synchronised model. At the end, rank 0 writes the final
+global model to ``OUT/final_model.safetensors`` (``flower-shard export`` turns it into a
+``transformers`` directory).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +35,7 @@ from flower_shard.schedule import warmup_cosine
 from flower_shard.topology import Topology
 
 DATA_SUBDIR = "data"
+FINAL_MODEL = "final_model.safetensors"  # the name the ServerApp gives the global model too
 
 
 def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
@@ -172,8 +176,37 @@ class GroupTrainer:
                 self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
             if logger:
                 logger.log(record)
+        self.save_final_model(Path(cfg.out, FINAL_MODEL))
         if logger:
             logger.close()
+
+    def save_final_model(self, path: str | Path) -> None:
+        """Every rank: gather the full model; global rank 0 writes it to ``path`` (safetensors).
+
+        After the last outer sync every group holds the global model, so group 0's copy is it.
+        The gather is a collective inside each group: every rank must call this.
+        """
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            tensors, storages = {}, set()
+            for name, tensor in state.items():
+                tensor = tensor.contiguous()
+                # Tied weights (GPT-2's embedding and LM head) share storage, which safetensors
+                # refuses: write a copy; loading ties them again.
+                if tensor.untyped_storage().data_ptr() in storages:
+                    tensor = tensor.clone()
+                storages.add(tensor.untyped_storage().data_ptr())
+                tensors[name] = tensor
+            path = Path(path)
+            tmp = path.with_name(f".{path.name}.tmp")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, path)  # never a half-written final model under the real name
+        dist.barrier()
 
     def train_round(self) -> dict:
         """T inner steps, then the outer sync; returns the round's metrics."""
