@@ -23,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +125,25 @@ def verify(path: str | os.PathLike) -> str | None:
     return None
 
 
+def good_rounds(
+    root: str | os.PathLike,
+    *,
+    at_most: int | None = None,
+    accept: Callable[[int], bool] = lambda _rnd: True,
+    log: Callable[[str], None] = print,
+) -> Iterator[int]:
+    """Rounds under ``root`` whose checkpoint verifies (and that ``accept`` takes), newest
+    first, verified lazily; each refused one is logged with its reason."""
+    for rnd in rounds(root):
+        if (at_most is not None and rnd > at_most) or not accept(rnd):
+            continue
+        reason = verify(round_dir(root, rnd))
+        if reason is None:
+            yield rnd
+        else:
+            log(f"checkpoint refused: {reason}; trying the previous one")
+
+
 def latest_good(
     root: str | os.PathLike,
     *,
@@ -136,14 +155,8 @@ def latest_good(
 
     Each refused one is logged with its reason; None when there is no good checkpoint.
     """
-    for rnd in rounds(root):
-        if (at_most is not None and rnd > at_most) or not accept(rnd):
-            continue
-        reason = verify(round_dir(root, rnd))
-        if reason is None:
-            return rnd, round_dir(root, rnd)
-        log(f"checkpoint refused: {reason}; trying the previous one")
-    return None
+    rnd = next(good_rounds(root, at_most=at_most, accept=accept, log=log), None)
+    return None if rnd is None else (rnd, round_dir(root, rnd))
 
 
 # -- the server's checkpoint ----------------------------------------------------------------------

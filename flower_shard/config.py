@@ -109,6 +109,13 @@ class TrainConfig:
         """Inner steps over the whole run."""
         return self.rounds * self.local_steps
 
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Whether a group saves a checkpoint after round ``rnd``: every C rounds and after
+        the last one (never when C = 0)."""
+        return bool(self.checkpoint_every) and (
+            rnd % self.checkpoint_every == 0 or rnd == self.rounds
+        )
+
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` on the first wrong value; return self when all is well."""
         from flower_shard.models import PRESETS  # local import: models pulls in transformers

@@ -129,10 +129,9 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], dict]:
     checkpoints exist (every ``checkpoint-every`` rounds), since the weights live in the groups.
     """
     t = fed.train
-    every = t.checkpoint_every
     found = C.latest_good(
         Path(t.resume, "checkpoints", "server"),
-        accept=lambda r: fed.transport == "flower" or (every and r % every == 0) or r == t.rounds,
+        accept=lambda r: fed.transport == "flower" or t.checkpoint_due(r),
         log=lambda m: log(WARNING, "%s", m),
     )
     if found is None:

@@ -170,9 +170,7 @@ class GroupTrainer:
                 eval_loss = self.evaluate()
                 record[M.EVAL_LOSS] = eval_loss
                 record[M.EVAL_PPL] = M.perplexity(eval_loss)
-            if cfg.checkpoint_every and (
-                self.round % cfg.checkpoint_every == 0 or self.round == cfg.rounds
-            ):
+            if cfg.checkpoint_due(self.round):
                 self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
             if logger:
                 logger.log(record)
@@ -302,12 +300,9 @@ class GroupTrainer:
         root = self.checkpoint_root(run_dir)
         good: list[int] = []
         if dist.get_rank(self.group_pg) == 0:  # the group's head verifies, the others wait
-            for rnd in C.rounds(root):
-                reason = C.verify(C.round_dir(root, rnd))
-                if reason:
-                    print(f"flower-shard: checkpoint refused: {reason}", file=sys.stderr)
-                else:
-                    good.append(rnd)
+            good = list(
+                C.good_rounds(root, log=lambda m: print(f"flower-shard: {m}", file=sys.stderr))
+            )
         every: list = [None] * self.world
         dist.all_gather_object(every, good)
         k = self.topology.group_size
@@ -381,6 +376,10 @@ class GroupTrainer:
     def load_checkpoint(self, path: str | Path, outer: OuterSync | None = None) -> int:
         """Every rank of the group: load a checkpoint saved by :meth:`save_checkpoint`.
 
+        ``path`` must have been verified (:func:`flower_shard.checkpoint.good_rounds`, done
+        once by the rank that chose it): hashing the whole checkpoint again on every rank
+        would multiply the cost of a load by the group size.
+
         The checkpoint may come from a group with another number of ranks: DCP reshards the
         weights and the optimizer state. The data position carries over only with the same
         number of ranks (the data partition depends on it); otherwise the data starts afresh.
@@ -389,9 +388,6 @@ class GroupTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        reason = C.verify(path)
-        if reason:
-            raise C.CheckpointError(reason)
         state = self._sharded_state(outer)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group_pg)
         set_state_dict(

@@ -176,76 +176,56 @@ class GroupWorker:
                 sync_optimizer_state=cfg.sync_optimizer_state,
             )
         self.run_key = key
-        if resume_round(config) > 0:
-            self.resume(config)
-        elif cfg.checkpoint_every and int(config[P.SERVER_ROUND]) > 1:
-            self.rejoin(config)
-
-    def rejoin(self, config: dict) -> None:
-        """Every rank: a restarted group joins a run in progress (flower transport).
-
-        The global weights arrive with the message; the inner optimizer state, LR schedule and
-        data position come from this group's newest good checkpoint of the run, if any.
-        """
-        box = [None]
-        if self.rank == 0 and config.get(P.TRANSPORT) == "flower":
-            found = C.latest_good(
-                self.checkpoint_root(config),
-                at_most=int(config[P.SERVER_ROUND]) - 1,
-                log=lambda m: print(f"flower-shard group: {m}", file=sys.stderr, flush=True),
-            )
-            box = [str(found[1]) if found else None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        if box[0] is not None:
-            loaded = self.trainer.load_checkpoint(box[0], self.outer)
-            if self.rank == 0:
-                print(
-                    f"flower-shard group: rejoined round {config[P.SERVER_ROUND]} with the "
-                    f"state of its checkpoint of round {loaded}",
-                    flush=True,
-                )
+        if resume_round(config) > 0 or (cfg.checkpoint_every and int(config[P.SERVER_ROUND]) > 1):
+            self.load_own_checkpoint(config)
 
     def checkpoint_root(self, config: dict) -> Path:
         return self.work_dir / "checkpoints" / checkpoint_key(config)
 
     def resume_point(self, config: dict) -> Path | None:
-        """Rank 0: the checkpoint a resumed run loads, or None (see :meth:`check`)."""
-        rnd = resume_round(config)
-        exact = config.get(P.TRANSPORT) == "collective"  # the weights live in the groups
+        """Rank 0: the checkpoint this group loads when it builds its trainer mid-run, or None.
+
+        A resumed run (``resume-round`` R): with the flower transport the newest good one up
+        to R (the global weights come from the server; the checkpoint gives AdamW state, LR
+        schedule and data position); with the collective transport exactly R's, since the
+        weights themselves come from it (:meth:`check` refuses the run if it is missing).
+        A restarted group rejoining round r (flower transport): the newest good one before r.
+        """
+        resume = resume_round(config)
+        collective = config.get(P.TRANSPORT) == "collective"
+        if resume == 0 and collective:  # a dropped group does not rejoin the collective
+            return None
         found = C.latest_good(
             self.checkpoint_root(config),
-            at_most=rnd,
-            accept=(lambda r: r == rnd) if exact else (lambda r: True),
+            at_most=resume or int(config[P.SERVER_ROUND]) - 1,
+            accept=(lambda r: r == resume) if collective else (lambda r: True),
             log=lambda m: print(f"flower-shard group: {m}", file=sys.stderr, flush=True),
         )
         return found[1] if found else None
 
-    def resume(self, config: dict) -> None:
-        """Every rank: load this group's checkpoint for a resumed run.
-
-        Flower transport: the newest good one up to the resume round (the global weights come
-        from the server; the checkpoint gives AdamW state, LR schedule and data position);
-        none found means a fresh inner optimizer, logged. Collective transport: exactly the
-        resume round's, since the weights themselves come from it (:meth:`check` refused the
-        run before any rank acted if it is missing).
-        """
-        box = [None]
-        if self.rank == 0:
-            path = self.resume_point(config)
-            box = [str(path) if path else None]
+    def load_own_checkpoint(self, config: dict) -> None:
+        """Every rank: load what :meth:`resume_point` chose on rank 0; without one, the
+        group goes on with the global weights and a fresh inner optimizer (logged)."""
+        box = [str(self.resume_point(config) or "")] if self.rank == 0 else [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        if box[0] is None:
+        if not box[0]:
             if self.rank == 0:
                 print(
-                    f"flower-shard group: no checkpoint up to round {resume_round(config)}: "
-                    "continuing from the global weights with a fresh inner optimizer",
+                    f"flower-shard group: no checkpoint to load for round "
+                    f"{config[P.SERVER_ROUND]}: continuing from the global weights with a "
+                    "fresh inner optimizer",
                     file=sys.stderr,
                     flush=True,
                 )
             return
         loaded = self.trainer.load_checkpoint(box[0], self.outer)
         if self.rank == 0:
-            print(f"flower-shard group: resumed from round {loaded} ({box[0]})", flush=True)
+            how = "resumed" if resume_round(config) else "rejoined"
+            print(
+                f"flower-shard group: {how} round {config[P.SERVER_ROUND]} with the state of "
+                f"its checkpoint of round {loaded} ({box[0]})",
+                flush=True,
+            )
 
     @property
     def data_dir(self) -> Path:
@@ -313,8 +293,8 @@ class GroupWorker:
             if self.dump_dir and self.rank == 0:
                 self._save(arrays, config, "trained")
             arrays = inject_fault(self.fault_file, int(config[P.SERVER_ROUND]), arrays)
-        rnd, cfg = int(config[P.SERVER_ROUND]), t.cfg
-        if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):
+        rnd = int(config[P.SERVER_ROUND])
+        if t.cfg.checkpoint_due(rnd):
             saving = time.perf_counter()
             root = self.checkpoint_root(config)
             if self.rank == 0 and not (root / RUN_FILE).exists():  # which run this folder is

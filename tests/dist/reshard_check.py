@@ -14,6 +14,7 @@ from flower_shard.trainer import GroupTrainer
 cfg_path, data_dir, run_dir, rnd, out_root = sys.argv[1:6]
 trainer = GroupTrainer(TrainConfig.from_json(cfg_path), data_dir)
 source = C.round_dir(trainer.checkpoint_root(run_dir), int(rnd))
+assert C.verify(source) is None, C.verify(source)
 loaded = trainer.load_checkpoint(source, trainer.outer)
 trainer.save_checkpoint(trainer.checkpoint_root(out_root), loaded, trainer.outer)
 trainer.close(clean=True)
