@@ -14,7 +14,9 @@ from pathlib import Path
 
 SHARDING_MODES = ("fsdp", "hsdp")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov")
+COMPRESSIONS = ("none", "bf16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+PARTITIONS = ("iid", "by-source", "dirichlet")
 
 
 class ConfigError(ValueError):
@@ -57,6 +59,18 @@ class TrainConfig:
     """
     text_column: str = "text"
     """The field (column) of .jsonl / .parquet records that holds the text."""
+    partition: str = "iid"
+    """How the training blocks are split between groups (ranks then split their group's part):
+    `iid` (a seeded shuffle), `by-source` (whole top-level directories, or files at the top
+    level, per group, balanced by blocks) or `dirichlet` (each label's blocks shared out over
+    the groups in Dirichlet(--dirichlet-alpha) proportions)."""
+    partition_label: str | None = None
+    """For `dirichlet`: the field of .jsonl / .parquet records that holds a document's label, or
+    `directory` (the document's top-level directory, or its file at the top level: the only
+    label text files have)."""
+    dirichlet_alpha: float = 0.5
+    """For `dirichlet`: the concentration; smaller is more skewed (0.1: most labels go to one
+    group; 100: close to iid)."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
     eval_fraction: float = 0.05
@@ -97,7 +111,9 @@ class TrainConfig:
     out: str = "runs/latest"
     """Output directory: metrics.jsonl, config.json and the prepared data."""
     quiet: bool = False
-    """Do not print one line per round."""
+    """Do not show the rounds (a live progress bar on a terminal, else one line per round)."""
+    tensorboard: bool = False
+    """Also write each round's numeric metrics to OUT/tensorboard (scalars, step = round)."""
 
     @property
     def world_size(self) -> int:
@@ -182,27 +198,52 @@ class TrainConfig:
                 f"{self.outer_lr} and {self.outer_momentum}"
             )
         if self.data is not None:
-            from flower_shard.data import RECORD_SUFFIXES
-
-            data = Path(self.data)
-            if not data.is_dir() and not (data.is_file() and data.suffix in RECORD_SUFFIXES):
-                raise ConfigError(
-                    f"--data {self.data}: no such directory or .jsonl / .parquet file; point it "
-                    "at a directory of text files or at a .jsonl / .parquet file"
-                )
+            check_data(self.data)
         if not self.text_column:
             raise ConfigError("--text-column must name a field of the records, got ''")
+        self._validate_partition()
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ConfigError(
                 f"--tokenizer {self.tokenizer}: no such directory; give a local Hugging Face "
                 "tokenizer directory (with tokenizer.json), or leave it out for bytes"
             )
+        if self.tensorboard:
+            require_tensorboard()
         if self.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda: no CUDA device here; use --device cpu or auto")
         return self
+
+    def _validate_partition(self) -> None:
+        """The --partition settings; for `by-source`, also that the data has enough sources."""
+        _choice("--partition", self.partition, PARTITIONS)
+        if not self.dirichlet_alpha > 0:  # `not >` also refuses NaN
+            raise ConfigError(
+                "--dirichlet-alpha must be > 0 (smaller is more skewed), got "
+                f"{self.dirichlet_alpha}"
+            )
+        if self.partition == "dirichlet" and not self.partition_label:
+            raise ConfigError(
+                "--partition dirichlet needs --partition-label: a field of the records, or "
+                "`directory` (each document's top-level directory)"
+            )
+        if self.partition_label and self.partition != "dirichlet":
+            raise ConfigError(
+                f"--partition-label applies to --partition dirichlet only, not {self.partition!r}; "
+                "drop it or use --partition dirichlet"
+            )
+        if self.partition == "by-source" and self.groups > 1:
+            from flower_shard.data import count_sources
+
+            sources = count_sources(self.data)
+            if sources < self.groups:
+                raise ConfigError(
+                    f"--partition by-source: the data has {sources} source(s) (top-level "
+                    f"directories or files) for {self.groups} groups; use at most {sources} "
+                    "groups, split the data into more directories, or use --partition dirichlet"
+                )
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write the configuration as JSON (what the ranks read)."""
@@ -217,6 +258,33 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"{path}: unknown configuration keys {unknown}")
         return cls(**raw)
+
+
+def check_data(data: str, flag: str = "--data") -> None:
+    """Raise :class:`ConfigError` unless ``data`` is a directory or a .jsonl / .parquet file."""
+    from flower_shard.data import RECORD_SUFFIXES
+
+    path = Path(data)
+    if not path.is_dir() and not (path.is_file() and path.suffix in RECORD_SUFFIXES):
+        raise ConfigError(
+            f"{flag} {data}: no such directory or .jsonl / .parquet file; point it "
+            "at a directory of text files or at a .jsonl / .parquet file"
+        )
+
+
+def require_tensorboard(flag: str = "--tensorboard") -> None:
+    """Raise :class:`ConfigError` unless the ``tensorboard`` package is installed.
+
+    ``torch.utils.tensorboard`` needs it; looked up without importing it (seconds), so a
+    run fails before any process starts.
+    """
+    from importlib.util import find_spec
+
+    if find_spec("tensorboard") is None:
+        raise ConfigError(
+            f"{flag} needs the tensorboard package: pip install tensorboard "
+            "(it is in flower-shard's dev extra)"
+        )
 
 
 def _positive(flag: str, value: int) -> None:

@@ -18,8 +18,23 @@ Pipeline (done once per run by the launcher, see :func:`prepare_corpus`):
 installed and with the standard library's ``json`` otherwise.
 
 The ranks then memory-map the streams. The training stream is cut into blocks of
-``seq_len + 1`` tokens; a seeded permutation of the blocks is split into G contiguous parts
-(one per group) and each part into K parts (one per rank): disjoint, and together every block.
+``seq_len + 1`` tokens, and the blocks are split into G disjoint parts, one per group, that
+together hold every block (``--partition``):
+
+- ``iid``: a seeded permutation of the blocks cut into G contiguous parts;
+- ``by-source``: every source (a top-level directory, or a file at the top level) goes whole to
+  one group; largest source first, each onto the group with the fewest blocks so far;
+- ``dirichlet``: for each label in sorted order, proportions p ~ Dirichlet(alpha, ..., alpha)
+  over the G groups; the label's blocks, in stream order, are cut at
+  ``floor(cumsum(p) * n_label)`` (flwr-datasets' DirichletPartitioner without self-balancing);
+  if a group ends with fewer than K x batch-size blocks, all labels are drawn again from the
+  same generator (10 attempts at most).
+
+A block belongs to the document that holds its first token (blocks run across document ends);
+``train_docs.npz`` records where each training document starts, its source and its label. Each
+group's part is then cut into K parts (one per rank): for ``iid`` as before, a contiguous split
+of the permuted part; otherwise after a permutation seeded with ``[seed, group]``. The held-out
+split does not depend on the partition.
 """
 
 from __future__ import annotations
@@ -41,8 +56,12 @@ from flower_shard.config import ConfigError
 TRAIN_FILE = "train.npy"
 EVAL_FILE = "eval.npy"
 META_FILE = "corpus.json"
+DOCS_FILE = "train_docs.npz"  # per training document: start in train.npy, source, label
 # Files of records (one document per record), as opposed to text files (one document each).
 RECORD_SUFFIXES = (".jsonl", ".parquet")
+# --partition-label value that labels each document with its source instead of a record field.
+SOURCE_LABEL = "directory"
+DIRICHLET_ATTEMPTS = 10  # draws before giving up on every group getting enough blocks
 
 
 def stdlib_dir() -> Path:
@@ -83,7 +102,19 @@ def list_documents(source: str | os.PathLike | None) -> tuple[Path, list[str]]:
     return root, files
 
 
-def _read_jsonl_stdlib(path: Path, column: str) -> list:
+def source_of(relpath: str) -> str:
+    """The source of a corpus file (its relative POSIX path): its top-level directory, or the
+    file itself when it lies at the top level. ``by-source`` gives each source to one group."""
+    return relpath.split("/", 1)[0]
+
+
+def count_sources(source: str | os.PathLike | None) -> int:
+    """How many sources (see :func:`source_of`) the corpus ``source`` has, held-out files
+    included: an upper bound on the sources that reach the training split."""
+    return len({source_of(rel) for rel in list_documents(source)[1]})
+
+
+def _read_jsonl_stdlib(path: Path, column: str, flag: str, what: str) -> list:
     values = []
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
@@ -99,15 +130,17 @@ def _read_jsonl_stdlib(path: Path, column: str) -> list:
             if not isinstance(record, dict) or column not in record:
                 fields = ", ".join(record) if isinstance(record, dict) else "none"
                 raise ConfigError(
-                    f"--text-column {column!r}: line {number} of {path} has no such field "
-                    f"(fields: {fields}); set --text-column to the field that holds the text"
+                    f"{flag} {column!r}: line {number} of {path} has no such field "
+                    f"(fields: {fields}); set {flag} to the field that holds the {what}"
                 )
             values.append(record[column])
     return values
 
 
-def _read_column(path: Path, column: str) -> list:
+def _read_column(path: Path, column: str, flag: str = "--text-column", what: str = "text") -> list:
     """The ``column`` values of a .jsonl / .parquet file's records, in file order.
+
+    ``flag`` and ``what`` name the setting and its content in the error messages.
 
     Raises
     ------
@@ -130,12 +163,12 @@ def _read_column(path: Path, column: str) -> list:
             ds = read(str(path), cache_dir=cache, keep_in_memory=True)
             if column not in ds.column_names:
                 raise ConfigError(
-                    f"--text-column {column!r}: {path} has no such column (columns: "
-                    f"{', '.join(ds.column_names)}); set --text-column to the one with the text"
+                    f"{flag} {column!r}: {path} has no such column (columns: "
+                    f"{', '.join(ds.column_names)}); set {flag} to the one with the {what}"
                 )
             return list(ds[column])
     if path.suffix == ".jsonl":
-        return _read_jsonl_stdlib(path, column)
+        return _read_jsonl_stdlib(path, column, flag, what)
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -146,8 +179,8 @@ def _read_column(path: Path, column: str) -> list:
     names = pq.read_schema(path).names
     if column not in names:
         raise ConfigError(
-            f"--text-column {column!r}: {path} has no such column (columns: {', '.join(names)}); "
-            "set --text-column to the one with the text"
+            f"{flag} {column!r}: {path} has no such column (columns: {', '.join(names)}); "
+            f"set {flag} to the one with the {what}"
         )
     return pq.read_table(path, columns=[column]).column(column).to_pylist()
 
@@ -158,12 +191,45 @@ def iter_documents(root: Path, files: list[str], text_column: str) -> Iterable[t
     A record's name is ``PATH#INDEX`` (its position among the file's records), so the held-out
     split picks records, not whole files: one .jsonl file is a corpus of its own.
     """
+    for _, name, text, _ in _documents(root, files, text_column, None):
+        yield name, text
+
+
+def _label_key(value) -> str:
+    """A record's label value as a string: text as it is, anything else as JSON (null, 3, true)."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def _documents(
+    root: Path, files: list[str], text_column: str, label_field: str | None
+) -> Iterator[tuple[str, str, bytes, str | None]]:
+    """``(file, name, UTF-8 text, label)`` of every document (see :func:`iter_documents`).
+
+    ``label`` is the record's ``label_field`` value (:func:`_label_key`), or None without a
+    ``label_field``.
+
+    Raises
+    ------
+    ConfigError
+        A text value is not text, a record lacks the label field, or a ``label_field`` is asked
+        of a text file (which has no fields).
+    """
     for rel in files:
         path = root / rel
         if path.suffix not in RECORD_SUFFIXES:
-            yield rel, path.read_bytes()
+            if label_field is not None:
+                raise ConfigError(
+                    f"--partition-label {label_field!r}: {rel} is a text file, which has no "
+                    f"fields; use --partition-label {SOURCE_LABEL} (its top-level directory) or "
+                    "only .jsonl / .parquet data"
+                )
+            yield rel, rel, path.read_bytes(), None
             continue
-        for index, value in enumerate(_read_column(path, text_column)):
+        texts = _read_column(path, text_column)
+        labels = [None] * len(texts)
+        if label_field is not None:
+            labels = _read_column(path, label_field, "--partition-label", "label")
+        for index, (value, label) in enumerate(zip(texts, labels)):
             if value is None:  # a record without text: nothing to train on
                 continue
             if not isinstance(value, str):
@@ -171,7 +237,8 @@ def iter_documents(root: Path, files: list[str], text_column: str) -> Iterable[t
                     f"--text-column {text_column!r}: record {index} of {path} holds "
                     f"{type(value).__name__}, not text; set --text-column to a text field"
                 )
-            yield f"{rel}#{index}", value.encode("utf-8")
+            label = None if label_field is None else _label_key(label)
+            yield rel, f"{rel}#{index}", value.encode("utf-8"), label
 
 
 def is_held_out(relpath: str, eval_fraction: float) -> bool:
@@ -244,12 +311,18 @@ def prepare_corpus(
     tokenizer: str | None = None,
     eval_fraction: float = 0.05,
     text_column: str = "text",
+    partition_label: str | None = None,
 ) -> CorpusInfo:
-    """Tokenise the corpus into ``out_dir`` (train.npy, eval.npy, corpus.json) and describe it.
+    """Tokenise the corpus into ``out_dir`` (train.npy, eval.npy, corpus.json, train_docs.npz)
+    and describe it.
 
-    Reuses an earlier preparation in ``out_dir`` when it was made from the same files (same
-    names, sizes and modification times), tokenizer, split and, for record files, text column.
+    ``partition_label`` (``--partition-label``): a record field is read into train_docs.npz as
+    each training document's label; None or ``directory`` read nothing more (sources are
+    always recorded). Reuses an earlier preparation in ``out_dir`` when it was made from the
+    same files (same names, sizes and modification times), tokenizer, split and, for record
+    files, text column and label field.
     """
+    label_field = None if partition_label in (None, SOURCE_LABEL) else partition_label
     root, files = list_documents(source)
     tok = load_tokenizer(tokenizer)
     fingerprint = hashlib.sha256()
@@ -260,18 +333,30 @@ def prepare_corpus(
     # Only record files read the column: leave text-only fingerprints (and caches) as they were.
     if any(Path(rel).suffix in RECORD_SUFFIXES for rel in files):
         fingerprint.update(f"\0column={text_column}".encode())
+    if label_field is not None:  # without one, fingerprints (and caches) stay as they were
+        fingerprint.update(f"\0label={label_field}".encode())
     out = Path(out_dir)
     stamp = out / "fingerprint"
-    if stamp.exists() and stamp.read_text() == fingerprint.hexdigest():
+    fresh = stamp.exists() and stamp.read_text() == fingerprint.hexdigest()
+    # A preparation made before train_docs.npz existed is redone (train.npy comes out the same).
+    if fresh and (out / DOCS_FILE).exists():
         return CorpusInfo.load(out)
 
     streams: dict[bool, list[np.ndarray]] = {False: [], True: []}
     counts = {False: 0, True: 0}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    for name, text in iter_documents(root, files, text_column):
+    # Per training document: where it starts in the training stream, its source, its label.
+    starts, sources, labels, position = [], [], [], 0
+    for rel, name, text, label in _documents(root, files, text_column, label_field):
         held_out = is_held_out(name, eval_fraction)
-        streams[held_out] += [tok.encode(text).astype(np.uint32), eos]
+        ids = tok.encode(text).astype(np.uint32)
+        streams[held_out] += [ids, eos]
         counts[held_out] += 1
+        if not held_out:
+            starts.append(position)
+            sources.append(source_of(rel))
+            labels.append(label)
+            position += ids.size + 1
     if not counts[False] or not counts[True]:
         raise ConfigError(
             f"corpus {source or root}: {sum(counts.values())} document(s) cannot be split into "
@@ -288,6 +373,7 @@ def prepare_corpus(
             np.save(fh, tokens)
         os.replace(tmp, out / name)
         sizes[held_out] = int(tokens.size)
+    write_documents(out, starts, sources, labels if label_field is not None else None, label_field)
     info = CorpusInfo(
         directory=str(out),
         vocab_size=tok.vocab_size,
@@ -328,6 +414,200 @@ def partition(n_blocks: int, groups: int, group_size: int, seed: int) -> list[li
         )
     perm = np.random.default_rng(seed).permutation(n_blocks)
     return [list(np.array_split(part, group_size)) for part in np.array_split(perm, groups)]
+
+
+@dataclass(frozen=True)
+class TrainDocuments:
+    """The training documents of a prepared corpus, in stream order (``train_docs.npz``)."""
+
+    starts: np.ndarray
+    """Where each document begins in train.npy (token offsets, increasing)."""
+    source_ids: np.ndarray
+    """Each document's source, as an index into ``sources``."""
+    sources: list[str]
+    """The sources' names, sorted (see :func:`source_of`)."""
+    label_ids: np.ndarray | None
+    """Each document's label, as an index into ``labels``; None when no field was read."""
+    labels: list[str] | None
+    """The labels' names, sorted."""
+    label_field: str | None
+    """The record field the labels come from."""
+
+    def labels_for(self, partition_label: str) -> np.ndarray:
+        """Each document's label id for ``--partition-label`` (``directory``: its source).
+
+        Raises
+        ------
+        ConfigError
+            The prepared data holds no labels of that field.
+        """
+        if partition_label == SOURCE_LABEL:
+            return self.source_ids
+        if self.label_field != partition_label or self.label_ids is None:
+            raise ConfigError(
+                f"--partition-label {partition_label!r}: the prepared data holds labels of "
+                f"{self.label_field!r}; prepare it again with this --partition-label"
+            )
+        return self.label_ids
+
+
+def write_documents(
+    out: Path,
+    starts: list[int],
+    sources: list[str],
+    labels: list[str] | None,
+    label_field: str | None,
+) -> None:
+    """Save the training documents' starts, sources and labels as ``out/train_docs.npz``."""
+    source_names, source_ids = np.unique(np.asarray(sources, dtype=str), return_inverse=True)
+    arrays = {
+        "starts": np.asarray(starts, dtype=np.int64),
+        "source_ids": source_ids.astype(np.int64),
+        "sources": source_names,
+    }
+    if labels is not None:
+        label_names, label_ids = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
+        arrays |= {
+            "label_ids": label_ids.astype(np.int64),
+            "labels": label_names,
+            "label_field": np.asarray(label_field),
+        }
+    tmp = out / f".{DOCS_FILE}.tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, out / DOCS_FILE)
+
+
+def load_documents(directory: str | os.PathLike) -> TrainDocuments:
+    """Read ``train_docs.npz`` (written by :func:`prepare_corpus`)."""
+    with np.load(Path(directory, DOCS_FILE)) as z:  # str arrays: no pickle needed
+        labelled = "label_ids" in z
+        return TrainDocuments(
+            starts=z["starts"],
+            source_ids=z["source_ids"],
+            sources=z["sources"].tolist(),
+            label_ids=z["label_ids"] if labelled else None,
+            labels=z["labels"].tolist() if labelled else None,
+            label_field=str(z["label_field"]) if labelled else None,
+        )
+
+
+def block_documents(starts: np.ndarray, n_blocks: int, seq_len: int) -> np.ndarray:
+    """For each block of ``seq_len + 1`` tokens, the document that holds its first token."""
+    first = np.arange(n_blocks, dtype=np.int64) * (seq_len + 1)
+    return np.searchsorted(starts, first, side="right") - 1
+
+
+def by_source_groups(sources: np.ndarray, groups: int) -> list[np.ndarray]:
+    """Block indices of each group when every source goes whole to one group.
+
+    ``sources[b]`` is block b's source id. Sources are placed largest first (most blocks; ties
+    by id, i.e. by name), each onto the group with the fewest blocks so far (ties: the lowest
+    group): the longest-processing-time rule, deterministic and without a seed.
+
+    Raises
+    ------
+    ConfigError
+        Fewer sources hold training blocks than there are groups.
+    """
+    ids, counts = np.unique(sources, return_counts=True)
+    if len(ids) < groups:
+        raise ConfigError(
+            f"--partition by-source: the training blocks come from {len(ids)} source(s) "
+            f"(top-level directories or files), fewer than the {groups} groups; use at most "
+            f"{len(ids)} groups or --partition dirichlet"
+        )
+    owner = np.empty(int(ids.max()) + 1, dtype=np.int64)
+    load = [0] * groups
+    for i in sorted(range(len(ids)), key=lambda i: (-counts[i], ids[i])):
+        g = min(range(groups), key=lambda g: (load[g], g))
+        owner[ids[i]] = g
+        load[g] += int(counts[i])
+    of_block = owner[sources]
+    return [np.flatnonzero(of_block == g) for g in range(groups)]
+
+
+def dirichlet_groups(
+    labels: np.ndarray, groups: int, alpha: float, seed: int, min_blocks: int = 1
+) -> list[np.ndarray]:
+    """Block indices of each group, label by label in Dirichlet(alpha) proportions.
+
+    ``labels[b]`` is block b's label id. With one generator ``np.random.default_rng(seed)``:
+    for each label in sorted order, draw p ~ Dirichlet(alpha x ones(G)) and cut the label's
+    blocks (in stream order) at ``floor(cumsum(p)[:-1] * n_label)``: group g gets the g-th
+    piece. As flwr-datasets' DirichletPartitioner (without self-balancing), when a group ends
+    with fewer than ``min_blocks`` blocks, every label is drawn again (the generator goes on).
+
+    Raises
+    ------
+    ConfigError
+        After :data:`DIRICHLET_ATTEMPTS` draws some group still had fewer than ``min_blocks``.
+    """
+    rng = np.random.default_rng(seed)
+    order = np.argsort(labels, kind="stable")  # blocks grouped by label, stream order inside
+    classes, first = np.unique(labels[order], return_index=True)
+    by_label = np.split(order, first[1:])
+    smallest = 0
+    for _ in range(DIRICHLET_ATTEMPTS):
+        pieces: list[list[np.ndarray]] = [[] for _ in range(groups)]
+        for blocks in by_label:
+            p = rng.dirichlet(np.full(groups, float(alpha)))
+            cuts = (np.cumsum(p) * len(blocks)).astype(np.int64)[:-1]
+            for g, piece in enumerate(np.split(blocks, cuts)):
+                pieces[g].append(piece)
+        parts = [np.sort(np.concatenate(p)) for p in pieces]
+        smallest = min(len(p) for p in parts)
+        if smallest >= min_blocks:
+            return parts
+    raise ConfigError(
+        f"--dirichlet-alpha {alpha}: {DIRICHLET_ATTEMPTS} draws over {len(classes)} label(s) "
+        f"all left a group with fewer than {min_blocks} blocks (last: {smallest}); raise "
+        "--dirichlet-alpha, use fewer groups or a smaller --batch-size"
+    )
+
+
+def split_ranks(parts: list[np.ndarray], group_size: int, seed: int) -> list[list[np.ndarray]]:
+    """Cut each group's blocks into ``group_size`` disjoint parts (sizes differ by at most one)
+    after a permutation seeded with ``[seed, group]``."""
+    out = []
+    for g, part in enumerate(parts):
+        perm = np.random.default_rng([seed, g]).permutation(len(part))
+        out.append(list(np.array_split(part[perm], group_size)))
+    return out
+
+
+def partition_data(
+    directory: str | os.PathLike,
+    seq_len: int,
+    groups: int,
+    group_size: int,
+    seed: int,
+    how: str = "iid",
+    label: str | None = None,
+    alpha: float = 0.5,
+    min_rank_blocks: int = 1,
+) -> list[list[np.ndarray]]:
+    """Block indices of every (group, rank) of a prepared corpus: ``parts[g][k]``.
+
+    ``how`` is ``--partition`` (see the module's docstring); ``iid`` is :func:`partition`.
+    ``min_rank_blocks`` (the batch size) makes ``dirichlet`` draw again until every group holds
+    at least ``group_size x min_rank_blocks`` blocks.
+    """
+    n_blocks = len(load_blocks(directory, "train", seq_len))
+    if how == "iid":
+        return partition(n_blocks, groups, group_size, seed)
+    docs = load_documents(directory)
+    of_block = block_documents(docs.starts, n_blocks, seq_len)
+    if how == "by-source":
+        parts = by_source_groups(docs.source_ids[of_block], groups)
+    elif how == "dirichlet":
+        if label is None:
+            raise ConfigError("--partition dirichlet needs --partition-label")
+        labels = docs.labels_for(label)[of_block]
+        parts = dirichlet_groups(labels, groups, alpha, seed, group_size * min_rank_blocks)
+    else:
+        raise ConfigError(f"--partition {how!r} is unknown; choose iid, by-source or dirichlet")
+    return split_ranks(parts, group_size, seed)
 
 
 class BatchIterator:
@@ -382,10 +662,18 @@ def rank_batches(
     group: int,
     rank_in_group: int,
     seed: int,
+    *,
+    how: str = "iid",
+    label: str | None = None,
+    alpha: float = 0.5,
 ) -> BatchIterator:
-    """The training batches of one rank."""
+    """The training batches of one rank; ``how``, ``label`` and ``alpha`` are ``--partition``,
+    ``--partition-label`` and ``--dirichlet-alpha`` (see :func:`partition_data`)."""
     blocks = load_blocks(directory, "train", seq_len)
-    indices = partition(len(blocks), groups, group_size, seed)[group][rank_in_group]
+    parts = partition_data(
+        directory, seq_len, groups, group_size, seed, how, label, alpha, batch_size
+    )
+    indices = parts[group][rank_in_group]
     return BatchIterator(blocks, indices, batch_size, seed=[seed, group, rank_in_group])
 
 
@@ -401,8 +689,8 @@ def eval_shard(
 
 
 def check_fits(info: CorpusInfo, cfg) -> None:
-    """Fail before launch if the corpus cannot feed the topology (see :func:`partition`), or if
-    its tokenizer emits ids the model cannot embed."""
+    """Fail before launch if the corpus cannot feed the topology (see :func:`partition` and
+    :func:`partition_data`), or if its tokenizer emits ids the model cannot embed."""
     from flower_shard.models import check_vocab
 
     check_vocab(cfg.model, info.vocab_size, cfg.tokenizer)
@@ -414,6 +702,25 @@ def check_fits(info: CorpusInfo, cfg) -> None:
             f"{cfg.world_size} ranks {per_rank}, fewer than --batch-size {cfg.batch_size}; "
             "use a shorter sequence, a smaller batch, fewer ranks or more data"
         )
+    if cfg.partition != "iid":
+        parts = partition_data(
+            info.directory,
+            cfg.seq_len,
+            cfg.groups,
+            cfg.nproc_per_group,
+            cfg.seed,
+            cfg.partition,
+            cfg.partition_label,
+            cfg.dirichlet_alpha,
+            cfg.batch_size,
+        )
+        smallest, group = min((len(p), g) for g, ranks in enumerate(parts) for p in ranks)
+        if smallest < cfg.batch_size:
+            raise ConfigError(
+                f"--partition {cfg.partition} leaves a rank of group {group} {smallest} training "
+                f"blocks, fewer than --batch-size {cfg.batch_size}; use fewer groups, a smaller "
+                "batch or a shorter --seq-len"
+            )
     if info.eval_tokens < cfg.seq_len + 1:
         raise ConfigError(
             f"the held-out split has {info.eval_tokens} tokens, less than one block of "

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from flower_shard import protocol as P
-from flower_shard.config import ConfigError
-from flower_shard.metrics import format_round
+from flower_shard.config import ConfigError, require_tensorboard
 from flower_shard.processes import free_port
+from flower_shard.progress import RoundDisplay
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,11 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="flower", choices=P.TRANSPORTS)
     parser.add_argument("--outer", default="fedavg", choices=("fedavg", "nesterov"))
     parser.add_argument("--out", default="runs/demo", help="where the results go")
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write each round's metrics to OUT/tensorboard (needs tensorboard installed)",
+    )
 
 
 def demo_run_config(args: argparse.Namespace, out: Path) -> dict:
@@ -42,6 +47,7 @@ def demo_run_config(args: argparse.Namespace, out: Path) -> dict:
         "lr": 3e-3,
         P.EVAL_EVERY: 1,
         P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+        P.TENSORBOARD: args.tensorboard,
     }
 
 
@@ -51,6 +57,8 @@ def demo_from_args(args: argparse.Namespace) -> int:
     for flag in ("groups", "nproc_per_group", "rounds", "local_steps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.tensorboard:  # here, not in the ServerApp once the deployment is up
+        require_tensorboard()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -66,10 +74,12 @@ def demo_from_args(args: argparse.Namespace) -> int:
         ) as deployment,
     ):
         print("  running (the first round also builds the groups' models)", flush=True)
-        summary = deployment.run(
-            demo_run_config(args, out),
-            on_round=lambda r: print(format_round(r, args.rounds), flush=True),
-        )
+        # A live bar and a final table on a terminal, the plain round lines anywhere else.
+        display = RoundDisplay(args.rounds)
+        try:
+            summary = deployment.run(demo_run_config(args, out), on_round=display.round)
+        finally:
+            display.close()
         print("  stopping the deployment", flush=True)
     print(
         f"flower-shard demo: {summary['status']} in {time.monotonic() - start:.0f} s; "

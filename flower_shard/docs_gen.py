@@ -31,6 +31,12 @@ RUN_CONFIG_NOTES = {
     "data": "Flower: read by the ServerApp's held-out evaluation only; each node trains on its "
     'own `flower-shard node --data` (`""` = the standard library\'s source).',
     "tokenizer": '`""` = bytes.',
+    "text-column": "Flower: sent to every group, which reads it from its node's "
+    "`flower-shard node --data` records (and the ServerApp from `data`'s).",
+    "tensorboard": "Flower: the ServerApp writes `out-dir/tensorboard` (on the SuperLink's "
+    "machine, which then needs the tensorboard package).",
+    "partition-label": '`""` = none. Flower: each group partitions its node\'s own data, taking '
+    "the part of its `group-index` among `num-groups`.",
     "out-dir": "Flower: where the ServerApp writes metrics.jsonl, summary.json, "
     "final_model.safetensors (flower transport) and its evaluation data, on the SuperLink's "
     "machine, relative to where `flower-superlink` was started: give an absolute path.",

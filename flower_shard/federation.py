@@ -69,7 +69,8 @@ class FederationConfig:
             raise ConfigError(
                 f"unknown run-config keys {sorted(unknown)}; see flower_shard/federation.py"
             )
-        for name in ("data", "tokenizer", "resume"):  # TOML has no None: "" means unset
+        # TOML has no None: "" means unset.
+        for name in ("data", "tokenizer", "resume", "partition_label"):
             if train_kwargs.get(name) == "":
                 train_kwargs[name] = None
         cfg = cls(train=TrainConfig(**train_kwargs), **kwargs)

@@ -77,7 +77,12 @@ def prepare_run(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     info = prepare_corpus(
-        out / DATA_SUBDIR, cfg.data, cfg.tokenizer, cfg.eval_fraction, cfg.text_column
+        out / DATA_SUBDIR,
+        cfg.data,
+        cfg.tokenizer,
+        cfg.eval_fraction,
+        cfg.text_column,
+        cfg.partition_label,
     )
     check_fits(info, cfg)
     metrics = out / METRICS_FILE

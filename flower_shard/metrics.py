@@ -28,6 +28,7 @@ OUTER_SYNC_BYTES = "outer_sync_bytes"
 OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
 INTRA_BYTES = "intra_bytes_per_rank"  # per round, FSDP/HSDP collectives inside the group
 INTER_BYTE_SHARE = "inter_byte_share"  # outer sync bytes / all bytes a rank sends
+LOCAL_STEPS = "local_steps"  # T of this round (varies with --adaptive-t)
 
 REQUIRED_FIELDS = (
     ROUND,
@@ -42,23 +43,103 @@ REQUIRED_FIELDS = (
 
 
 class MetricsLogger:
-    """Appends rounds to ``directory/metrics.jsonl``, flushed each line: a crash loses nothing."""
+    """Appends rounds to ``directory/metrics.jsonl``, flushed each line: a crash loses nothing.
 
-    def __init__(self, directory: str | os.PathLike, echo: bool = True, total_rounds: int = 0):
+    Parameters
+    ----------
+    directory
+        The run's output directory.
+    echo
+        Show the rounds (:class:`~flower_shard.progress.RoundDisplay`): a live progress bar and
+        a final table on a terminal, otherwise one :func:`format_round` line per round.
+    total_rounds
+        Rounds in the run, for the display (0: unknown).
+    total_steps
+        Inner steps in the run, when the caller reports each one with :meth:`step` (the
+        display's step bar; 0: none).
+    tensorboard
+        Also write every round's numeric fields as TensorBoard scalars to
+        ``directory/tensorboard`` (:data:`TENSORBOARD_DIR`): tag = the field's name, step = the
+        round (the one axis that the group runtime and the Flower server share; the global
+        step is the ``step`` scalar). Needs the ``tensorboard`` package (ConfigError if not).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        echo: bool = True,
+        total_rounds: int = 0,
+        *,
+        total_steps: int = 0,
+        tensorboard: bool = False,
+    ):
+        from flower_shard.progress import RoundDisplay  # progress imports this module
+
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory, METRICS_FILE)
         self.echo = echo
         self.total_rounds = total_rounds
+        self.tensorboard = tensorboard_writer(directory) if tensorboard else None
         self._fh = open(self.path, "a")
+        # Last: a live display that started must be stopped (close), so nothing may fail after.
+        self.display = RoundDisplay(total_rounds, total_steps) if echo else None
 
     def log(self, record: dict) -> None:
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
-        if self.echo:
-            print(format_round(record, self.total_rounds), flush=True)
+        if self.tensorboard is not None:
+            add_scalars(self.tensorboard, record)
+        if self.display is not None:
+            self.display.round(record)
+
+    def step(self, step: int) -> None:
+        """Inner step ``step`` of the run is done (moves the display's step bar)."""
+        if self.display is not None:
+            self.display.step(step)
 
     def close(self) -> None:
-        self._fh.close()
+        """Stop the display (printing its table on a terminal) and close the files."""
+        try:
+            if self.display is not None:
+                self.display.close()
+        finally:
+            self._fh.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_writer(directory: str | os.PathLike):
+    """A ``torch.utils.tensorboard.SummaryWriter`` on ``directory/tensorboard``.
+
+    Raises
+    ------
+    ConfigError
+        The ``tensorboard`` package is missing (``torch.utils.tensorboard`` needs it).
+    """
+    from flower_shard.config import ConfigError, require_tensorboard
+
+    require_tensorboard()
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # present but unusable (torch checks its version)
+        raise ConfigError(f"--tensorboard: torch.utils.tensorboard cannot start: {exc}") from None
+    return SummaryWriter(log_dir=str(Path(directory, TENSORBOARD_DIR)))
+
+
+def add_scalars(writer, record: dict) -> None:
+    """Every numeric field of a round's record as a scalar: tag = its name, step = the round.
+
+    Lists, strings, booleans and None (a non-finite value as the server writes it) are not
+    scalars and are left out, as is ``round`` itself (it is the step).
+    """
+    rnd = record[ROUND]
+    for key, value in record.items():
+        if key != ROUND and isinstance(value, (int, float)) and not isinstance(value, bool):
+            writer.add_scalar(key, value, rnd)
+    writer.flush()  # SummaryWriter flushes every 2 min by default: show each round at once
 
 
 def format_round(r: dict, total_rounds: int = 0) -> str:

@@ -22,7 +22,7 @@ from cryptography import x509
 
 from flower_shard import protocol as P
 from flower_shard.certificates import load_supernode_private_key, load_supernode_public_key
-from flower_shard.config import ConfigError
+from flower_shard.config import ConfigError, check_data
 from flower_shard.processes import ManagedProcess, free_port, marked_pids
 
 
@@ -39,7 +39,8 @@ class NodeConfig:
     work_dir: str | None = None
     """Where the group keeps its socket, data and logs; None makes a private temporary dir."""
     data: str | None = None
-    """This node's directory of text files (default: the standard library's source)."""
+    """This node's directory of text files, or a .jsonl / .parquet file whose run-config
+    `text-column` holds the text (default: the standard library's source)."""
     device: str = "auto"
     """`cuda` (NCCL), `cpu` (gloo) or `auto`."""
     root_certificates: str | None = None
@@ -80,8 +81,8 @@ class NodeConfig:
             )
         if self.port is not None and not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.data is not None and not Path(self.data).is_dir():
-            raise ConfigError(f"--data {self.data}: no such directory")
+        if self.data is not None:
+            check_data(self.data)
         for flag, path in (
             ("--root-certificates", self.root_certificates),
             ("--auth-supernode-private-key", self.auth_private_key),
@@ -421,7 +422,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=None, help="the SuperNode's local API port")
     parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
-    parser.add_argument("--data", default=None, help="this node's directory of text files")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="this node's directory of text files, or a .jsonl / .parquet file (the run "
+        "config's text-column names the records' text field)",
+    )
     parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     parser.add_argument(
         "--root-certificates",

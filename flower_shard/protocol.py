@@ -54,6 +54,8 @@ EVAL_EVERY = "eval-every"
 OUT_DIR = "out-dir"
 COLLECTIVE_ADDRESS = "collective-address"
 POLL_INTERVAL = "poll-interval"
+TEXT_COLUMN = "text-column"  # the records' text field; the groups read their node's --data with it
+TENSORBOARD = "tensorboard"  # the ServerApp also writes out-dir/tensorboard (server side only)
 
 TRANSPORTS = ("flower", "collective")
 

@@ -160,7 +160,9 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         (out / M.METRICS_FILE).unlink(missing_ok=True)
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
     run_name = resumed["run_name"] if resumed else str(out)
-    logger = M.MetricsLogger(out, echo=not t.quiet, total_rounds=t.rounds)
+    logger = M.MetricsLogger(
+        out, echo=not t.quiet, total_rounds=t.rounds, tensorboard=t.tensorboard
+    )
     store = None
     if fed.transport == "collective":  # host the cross-group rendezvous for the groups
         store = host_rendezvous(fed.collective_address, fed.round_timeout)

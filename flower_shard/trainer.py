@@ -99,6 +99,9 @@ class GroupTrainer:
             self.group,
             self.topology.rank_in_group(self.rank),
             cfg.seed,
+            how=cfg.partition,
+            label=cfg.partition_label,
+            alpha=cfg.dirichlet_alpha,
         )
         self.eval_blocks = eval_shard(
             data_dir, cfg.seq_len, cfg.eval_sequences, self.rank, self.world
@@ -239,6 +242,8 @@ class GroupTrainer:
         for _ in range(n):
             inputs, targets = next(self.batches)
             loss_sum += self.train_step(inputs.to(self.device), targets.to(self.device))
+            if self.on_step is not None:
+                self.on_step(self.step)
         seconds = _elapsed(start, self.device)
         tokens = n * cfg.batch_size * cfg.seq_len * self.world
         self.tokens += tokens

@@ -74,3 +74,29 @@ def flat_state(directory, scratch) -> dict:
 
     walk(torch.load(scratch, weights_only=False), "")
     return out
+
+
+def assert_tensorboard_is_metrics(run_dir) -> None:
+    """``run_dir/tensorboard`` holds every numeric field of every round of ``metrics.jsonl``
+    as a scalar (tag = the field, step = the round), the value as float32, and nothing else."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flower_shard import metrics as M
+
+    rounds = M.read_metrics(run_dir)
+    events = EventAccumulator(str(Path(run_dir, M.TENSORBOARD_DIR)), size_guidance={"scalars": 0})
+    events.Reload()
+
+    def numeric(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    expected = {}
+    for r in rounds:
+        for key, value in r.items():
+            if key != M.ROUND and numeric(value):
+                expected.setdefault(key, []).append((r[M.ROUND], np.float32(value)))
+    assert expected, "no numeric fields in metrics.jsonl"
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for tag, values in expected.items():
+        assert [(e.step, np.float32(e.value)) for e in events.Scalars(tag)] == values, tag

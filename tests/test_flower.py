@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import assert_tensorboard_is_metrics
 from safetensors.numpy import load_file
 
 from flower_shard import protocol as P
@@ -73,8 +74,14 @@ def initial_global():
 
 
 def test_flower_transport_groups_hold_the_exact_global_model(deployment, tmp_path):
-    rounds = run(deployment, tmp_path, transport="flower", **{"outer-optimizer": "nesterov"})
+    rounds = run(
+        deployment,
+        tmp_path,
+        transport="flower",
+        **{"outer-optimizer": "nesterov", P.TENSORBOARD: True},
+    )
     assert [r["groups_ok"] for r in rounds] == [2, 2]
+    assert_tensorboard_is_metrics(tmp_path)  # the ServerApp's rounds, as TensorBoard scalars
     assert all(r["exchange_bytes"] > 0 and r["eval_ppl"] > 0 for r in rounds)
 
     # Reference: token-weighted mean in float64, then DiLoCo's Nesterov step in plain torch.

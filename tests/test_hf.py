@@ -8,6 +8,7 @@ both trained on a .jsonl dataset by `flower-shard train`, exported, and loaded b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -22,8 +23,9 @@ from conftest import flat_state, train_cli
 
 from flower_shard import checkpoint as C
 from flower_shard import metrics as M
+from flower_shard import protocol as P
 from flower_shard.config import ConfigError
-from flower_shard.data import eval_shard, list_documents, prepare_corpus
+from flower_shard.data import CorpusInfo, eval_shard, list_documents, prepare_corpus
 
 WORDS = [f"{w}{i}" for w in ("red", "blue", "green", "shard", "round", "node") for i in range(5)]
 # Small enough for seconds of CPU, large enough for 2 ranks x 2 sequences of 32 tokens.
@@ -229,6 +231,57 @@ def test_jsonl_records_are_documents_and_the_cache_knows_the_column(hf, tmp_path
     )
     with pytest.raises(ConfigError, match="--text-column 'body'"):
         prepare_corpus(tmp_path / "bad", str(hf.data), text_column="body")
+
+
+def test_a_node_trains_on_a_jsonl_file_with_the_run_configs_text_column(hf, tmp_path):
+    """`flower-shard node --data FILE.jsonl`: its group prepares and trains on the column the
+    run config's `text-column` names, as ShardedFedAvg's train message carries it."""
+    from flower_shard.clients.group_client import GroupClient
+    from flower_shard.federation import FederationConfig
+    from flower_shard.node import Node, NodeConfig
+
+    run_config = {P.TEXT_COLUMN: "upper", P.NUM_SERVER_ROUNDS: 1, P.LOCAL_STEPS: 2}
+    run_config |= {"seq-len": 32, "batch-size": 2, "eval-sequences": 8}
+    config = FederationConfig.from_run_config(run_config).group_config()
+    config |= {P.SERVER_ROUND: 1, P.GROUP_INDEX: 0, P.NUM_GROUPS: 1, P.RUN_ID: 1}
+    assert config[P.TEXT_COLUMN] == "upper"
+    work = tmp_path / "node"
+    node = Node(NodeConfig(nproc_per_group=1, work_dir=str(work), data=str(hf.data)))
+    node.start(supernode=False)  # the group alone: the test plays the ClientApp
+    try:
+        client = GroupClient(node.address)
+        try:
+            head, arrays = client.call(P.TRAIN, {"config": config}, timeout=120)
+        finally:
+            client.close()
+    finally:
+        node.stop()
+    assert head["metrics"][P.NUM_TOKENS] == 2 * 2 * 32  # T x batch x seq_len x K
+    assert arrays  # the flower transport's reply: the trained weights
+    # The group's corpus is the `upper` column's, token for token (bytes: upper-case letters).
+    expected = prepare_corpus(tmp_path / "ref", str(hf.data), text_column="upper")
+    assert CorpusInfo.load(work / "data") == dataclasses.replace(
+        expected, directory=str(work / "data")
+    )
+    train = np.load(work / "data" / "train.npy")
+    assert np.array_equal(train, np.load(tmp_path / "ref" / "train.npy"))
+    assert chr(train[0]).isupper()
+
+
+def test_node_data_is_a_directory_or_a_record_file(hf, tmp_path):
+    from flower_shard.node import NodeConfig
+
+    NodeConfig(data=str(hf.data)).validate()  # .jsonl
+    NodeConfig(data=str(hf.root)).validate()  # a directory
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    for bad in (tmp_path / "notes.csv", tmp_path / "missing"):
+        proc = cli("node", "--data", bad, "--work-dir", tmp_path / "node")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"flower-shard: error: --data {bad}: no such directory or .jsonl / .parquet file; "
+            "point it at a directory of text files or at a .jsonl / .parquet file"
+        ]
+    assert not (tmp_path / "node").exists()  # nothing was started
 
 
 def test_a_flower_run_dir_of_a_preset_exports(tmp_path, capsys):

@@ -240,7 +240,15 @@ class GroupWorker:
         if run_key(config) == self.run_key:
             return
         cfg = config_from_message(config, self.data, self.device_pref)
-        check_fits(prepare_corpus(self.data_dir, cfg.data, cfg.tokenizer, cfg.eval_fraction), cfg)
+        info = prepare_corpus(
+            self.data_dir,
+            cfg.data,
+            cfg.tokenizer,
+            cfg.eval_fraction,
+            cfg.text_column,
+            cfg.partition_label,
+        )
+        check_fits(info, cfg)
         if (
             resume_round(config) > 0
             and config.get(P.TRANSPORT) == "collective"
@@ -462,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flower_shard.clients.group_service")
     p.add_argument("--address", required=True, help="unix:/path/group.sock or 127.0.0.1:PORT")
     p.add_argument("--work-dir", required=True, help="where the group keeps its prepared data")
-    p.add_argument("--data", default=None, help="this node's directory of text files")
+    p.add_argument(
+        "--data", default=None, help="this node's directory of text files or .jsonl / .parquet file"
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dump-dir", default=None, help="debug: write the weights of every round")
     p.add_argument("--fault-file", default=None, help="fault injection (see inject_fault)")
