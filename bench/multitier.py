@@ -129,7 +129,7 @@ class SiteDeployment(LocalDeployment):
 
 def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
     """One FL+FSDP run through Flower (flower transport) on the sites; metrics as for torchrun."""
-    out = work / f"flower_t{cfg.local_steps}"
+    out = work / f"flower_t{cfg.local_steps}_{cfg.compression}"
     before = dep.net.site_bytes()
     start = time.perf_counter()
     summary = dep.run(
@@ -147,6 +147,8 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
             "lr": cfg.lr,
             "seed": cfg.seed,
             "eval-sequences": cfg.eval_sequences,
+            "compression": cfg.compression,
+            "compression-chunk": cfg.compression_chunk,
         },
         timeout=3600,
     )
@@ -211,13 +213,21 @@ def error_lines(p: ManagedProcess, limit: int = 40) -> str:
 
 
 def make_configs(
-    base: TrainConfig, k: int, ts: list[int], steps: int, hsdp: bool, flower: bool = False
+    base: TrainConfig,
+    k: int,
+    ts: list[int],
+    steps: int,
+    hsdp: bool,
+    flower: bool = False,
+    compressions: tuple[str, ...] = (),
 ) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
     HSDP: the baseline shards inside a site and replicates across the two sites (R = 2);
     FL+HSDP groups are sites with R = 2, S = k / 2 inside.
     FL runs get twice the steps: they are still training at the baseline's wall-clock budget.
+    Each of ``compressions`` (bf16, int8) adds a copy of every FL configuration that
+    compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``).
     """
     kinds = [("fsdp", 1, 1)] + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -260,6 +270,12 @@ def make_configs(
                 if name.startswith("fl-fsdp T=")
                 for t in [cfg.local_steps]
             ]
+    for c in compressions:
+        out += [
+            (name.replace(" T=", f"+{c} T="), dataclasses.replace(cfg, compression=c))
+            for name, cfg in list(out)
+            if name.startswith("fl-") and "+" not in name
+        ]
     return out
 
 
@@ -281,6 +297,7 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         "inter_byte_share": run["inter_bytes"] / max(1, run["inter_bytes"] + run["intra_bytes"]),
         "inter_bytes": run["inter_bytes"],
         "intra_bytes": run["intra_bytes"],
+        "sync_bytes_per_round": statistics.median(r["outer_sync_bytes"] for r in recs),
         "compute_s_per_step": compute / max(1, recs[-1]["step"] - recs[0]["step"])
         if len(recs) > 1
         else compute / recs[0]["step"],
@@ -309,6 +326,7 @@ def predicted_speedup(
     k: int,
     t: int,
     hsdp: bool = False,
+    compression: str = "none",
 ) -> float:
     net = Network(
         ranks_per_node=k,
@@ -320,7 +338,9 @@ def predicted_speedup(
         inter_node_lat=0,
         inter_site_lat=0,
     )
-    w = Workload(params=params, compute_s=compute_s, tokens_per_step=tokens)
+    w = Workload(
+        params=params, compute_s=compute_s, tokens_per_step=tokens, compression=compression
+    )
     r = 2 if hsdp else 1
     fl = predict(w, Layout(2 * k, 2, r, t), net)
     base = predict(w, Layout(2 * k, 1, r, 1), net)
@@ -354,6 +374,12 @@ def main() -> None:
         action="store_true",
         help="also FL+FSDP through a real Flower deployment (flower transport) across the sites",
     )
+    p.add_argument(
+        "--compression",
+        default="",
+        help="comma-separated bf16,int8: also run every FL configuration with its exchange "
+        "compressed that way (side by side with the float32 one)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
     args = p.parse_args()
@@ -365,6 +391,10 @@ def main() -> None:
     rates = [float(r) for r in args.rates_mbit.split(",")]
     ts = [int(t) for t in args.local_steps.split(",")]
     k = args.ranks_per_site
+    compressions = tuple(c for c in args.compression.split(",") if c)
+    for c in compressions:
+        if c not in ("bf16", "int8"):
+            raise SystemExit(f"multitier: --compression {c!r} is unknown; use bf16 and/or int8")
     tokens_per_step = args.batch_size * args.seq_len
     params = count_parameters(build_model(args.model))
     base_cfg = TrainConfig(
@@ -387,7 +417,9 @@ def main() -> None:
                 if args.flower:
                     dep = stack.enter_context(SiteDeployment(net, work / f"flower{rate:g}", k))
                 for rep in range(args.repeats):
-                    configs = make_configs(base_cfg, k, ts, args.steps, args.hsdp, args.flower)
+                    configs = make_configs(
+                        base_cfg, k, ts, args.steps, args.hsdp, args.flower, compressions
+                    )
                     if rep % 2:
                         configs.reverse()
                     for name, cfg in configs:
@@ -398,7 +430,7 @@ def main() -> None:
                         s = summarise(run, tokens_per_step)
                         samples.setdefault(name, []).append(s)
                         print(
-                            f"{rate:g} Mbit/s repeat {rep + 1} {name:12s} "
+                            f"{rate:g} Mbit/s repeat {rep + 1} {name:24s} "
                             f"{s['tokens_per_s']:8.0f} tok/s  exchange "
                             f"{100 * s['exchange_share']:5.1f}%  inter bytes "
                             f"{100 * s['inter_byte_share']:5.1f}%  ppl {s['final_ppl']:.2f}",
@@ -489,19 +521,26 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             ),
             "isolated_tokens_per_s": med([r["isolated_tokens_per_s"] for r in runs]),
             "inter_bytes": med([r["inter_bytes"] for r in runs]),
+            "sync_bytes_per_round": med([r["sync_bytes_per_round"] for r in runs]),
             "retries": sum(r["retries"] for r in runs),
         }
         if name.startswith("fl-"):
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
-        if name.startswith("fl-") and "flower" not in name:  # the model prices all-reduces
+        if name.startswith("fl-") and "flower" not in name:  # the model prices collectives
             t = int(name.split("=")[1])
+            compression = name.split("+")[1].split()[0] if "+" in name else "none"
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["predicted_speedup"] = predicted_speedup(
-                params, compute, tokens_per_step, rate, k, t, hsdp=kind == "hsdp"
+                params, compute, tokens_per_step, rate, k, t, kind == "hsdp", compression
             )
             # Every rank's outer-sync bytes cross the site link (one group per site).
-            w = Workload(params=params, compute_s=compute, tokens_per_step=tokens_per_step)
+            w = Workload(
+                params=params,
+                compute_s=compute,
+                tokens_per_step=tokens_per_step,
+                compression=compression,
+            )
             entry["predicted_inter_bytes"] = (
                 runs[0]["rounds"]
                 * 2
@@ -514,7 +553,7 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
 
 def print_table(results: dict) -> None:
     print(
-        f"\n{'rate':>9s} {'config':14s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
+        f"\n{'rate':>9s} {'config':24s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
         f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s}"
     )
     for rate, entries in results["rates"].items():
@@ -523,7 +562,7 @@ def print_table(results: dict) -> None:
             frac = e.get("fraction_of_isolated")
             pt = e["ppl_at_baseline_time"]["median"]
             print(
-                f"{float(rate):7g}Mb {name:14s} {e['tokens_per_s']['median']:8.0f} "
+                f"{float(rate):7g}Mb {name:24s} {e['tokens_per_s']['median']:8.0f} "
                 f"{e['speedup_vs_baseline']['median']:8.2f}x "
                 f"{(f'{pred:8.2f}x' if pred else '        -')} "
                 f"{100 * e['exchange_share']['median']:7.1f}% "

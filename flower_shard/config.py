@@ -35,6 +35,16 @@ class TrainConfig:
     """Hosts the world spans; each host runs N / nnodes ranks (torchrun's --nnodes)."""
     local_steps: int = 4
     """T: inner optimizer steps per round; the groups synchronise once per round."""
+    adaptive_t: bool = False
+    """Choose each round's T from the last round's timings, keeping the exchange at most
+    --exchange-share of the round (flower_shard/adaptive.py). T starts at --local-steps; the
+    budget stays rounds x local-steps inner steps, so the number of rounds varies."""
+    exchange_share: float = 0.2
+    """--adaptive-t: the largest share of a round that the exchange between groups may take."""
+    min_local_steps: int = 1
+    """--adaptive-t: the smallest T."""
+    max_local_steps: int = 64
+    """--adaptive-t: the largest T."""
     rounds: int = 5
     """Number of rounds (outer synchronisations)."""
     sharding: str = "fsdp"
@@ -49,6 +59,15 @@ class TrainConfig:
     """Momentum of the nesterov outer optimizer."""
     sync_optimizer_state: bool = False
     """Also average AdamW's first and second moments in the outer sync."""
+    compression: str = "none"
+    """How each group sends its pseudo-gradient (global - local) between groups: `none`
+    (float32), `bf16`, or `int8` (per-chunk scales); both transports (flower_shard/compression.py).
+    """
+    compression_chunk: int = 2048
+    """int8: values per scale (one float32 scale per chunk: 4 / chunk bytes of overhead)."""
+    error_feedback: bool = True
+    """Carry what compression lost in one round into the next (per group); no effect for `none`.
+    """
     model: str = "tiny"
     """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
     directory: config.json alone (built from it, initialised from the seed) or with safetensors
@@ -147,6 +166,23 @@ class TrainConfig:
         _choice("--sharding", self.sharding, SHARDING_MODES)
         _choice("--outer", self.outer, OUTER_OPTIMIZERS)
         _choice("--device", self.device, DEVICES)
+        _positive("--min-local-steps", self.min_local_steps)
+        _positive("--max-local-steps", self.max_local_steps)
+        if self.adaptive_t and not (
+            0 < self.exchange_share < 1 and self.min_local_steps <= self.max_local_steps
+        ):
+            raise ConfigError(
+                f"--adaptive-t needs --exchange-share in (0, 1) and --min-local-steps <= "
+                f"--max-local-steps, got {self.exchange_share}, {self.min_local_steps}, "
+                f"{self.max_local_steps}"
+            )
+        _choice("--compression", self.compression, COMPRESSIONS)
+        _positive("--compression-chunk", self.compression_chunk)
+        if self.compression != "none" and self.sync_optimizer_state:
+            raise ConfigError(
+                "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
+                "--sync-optimizer-state or use --compression none"
+            )
         if self.model not in PRESETS:
             if not Path(self.model).exists():
                 raise ConfigError(

@@ -11,7 +11,8 @@ moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
   + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter)
   + 2 (R-1)/R x P/S x grad_bytes                 (HSDP: all-reduce of the shards across replicas)
 - between groups, per round: 2 (G-1)/G x P/S x 4 (one flat float32 all-reduce of the shards),
-  so per step C_inter / T.
+  so per step C_inter / T; compressed (bf16, int8: flower_shard.compression), a ring
+  all-gather of the payloads instead, (G-1) x P/S x bytes per value (2, or 1 + 4 / chunk).
 
 Times: a collective runs at the bandwidth of the slowest tier its ranks span (intra-node,
 inter-node, inter-site), plus a latency term per ring step, with no overlap with compute
@@ -72,6 +73,17 @@ class Workload:
     """All-gathers of every parameter per step (2 with reshard after forward)."""
     overlap: float = 0.0
     """Fraction of the intra-group communication hidden behind compute."""
+    compression: str = "none"
+    """The outer sync's payload: `none` (float32 all-reduce), `bf16` or `int8` (all-gather)."""
+    compression_chunk: int = 2048
+    """int8: values per float32 scale."""
+
+    @property
+    def exchange_value_bytes(self) -> float:
+        """Bytes per value of the outer sync's payload."""
+        return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / self.compression_chunk}[
+            self.compression
+        ]
 
 
 @dataclass(frozen=True)
@@ -133,8 +145,11 @@ def intra_group_bytes(w: Workload, lay: Layout) -> dict[str, float]:
 
 
 def outer_sync_bytes(w: Workload, lay: Layout) -> float:
-    """Bytes each rank sends in one outer sync (float32 shards, ring all-reduce over G)."""
-    return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.shard
+    """Bytes each rank sends in one outer sync: float32 shards in a ring all-reduce over G, or
+    compressed shards in a ring all-gather (every group needs every payload to decode)."""
+    if w.compression == "none":
+        return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.shard
+    return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard
 
 
 def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
@@ -156,7 +171,8 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 1)
         + _collective_s(b["replicate_allreduce"], r, bw_r, lat_r, 2)
     ) * (1.0 - w.overlap)
-    inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, 2) / lay.local_steps
+    ring_steps = 2 if w.compression == "none" else 1  # all-reduce vs all-gather
+    inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, ring_steps) / lay.local_steps
     step = w.compute_s + intra + inter
     return Prediction(
         step_s=step,

@@ -27,6 +27,7 @@ SYNC_SIZE = "sync-size"  # collective: how many live groups sync this round
 SYNC_ABANDONED = "cross-group sync abandoned"
 RUN_ID = "run-id"  # Flower's id of the run: two runs never share a group's trainer
 RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
+ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adaptive-t's choice)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 
 # -- reply metrics ------------------------------------------------------------------------------
@@ -74,8 +75,15 @@ GROUP_FIELDS = (
     "sharding",
     "replicate",
     "eval_fraction",
+    "text_column",
+    "partition",
+    "partition_label",
+    "dirichlet_alpha",
     "eval_sequences",
     "sync_optimizer_state",
+    "compression",
+    "compression_chunk",
+    "error_feedback",
     "tokenizer",
     "checkpoint_every",
     "keep_checkpoints",

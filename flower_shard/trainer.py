@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from flower_shard import checkpoint as C
 from flower_shard import metrics as M
+from flower_shard.adaptive import AdaptiveT
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.costmodel import Layout, Workload, intra_group_bytes
 from flower_shard.data import CorpusInfo, eval_shard, rank_batches
@@ -134,11 +135,24 @@ class GroupTrainer:
                 lr=cfg.outer_lr,
                 momentum=cfg.outer_momentum,
                 sync_optimizer_state=cfg.sync_optimizer_state,
+                compression=cfg.compression,
+                chunk=cfg.compression_chunk,
+                error_feedback=cfg.error_feedback,
             )
         self.step = 0
         self.round = 0
+        self.local_steps = cfg.local_steps
+        """T of the next round (changes only with --adaptive-t)."""
+        self.adaptive = None
+        if cfg.adaptive_t and self.outer is not None:
+            self.adaptive = AdaptiveT(cfg.exchange_share, cfg.min_local_steps, cfg.max_local_steps)
+        self.loaded_extra: dict = {}
+        """State that group rank 0 alone saved in the last loaded checkpoint (``extra``)."""
         self.tokens = 0
         self._group_pg = None
+        self.on_step = None
+        """Called with the step after each inner step (rank 0 of ``flower-shard train``: the
+        progress bar)."""
         # Accounting of the intra-group tier: FSDP's collectives have fixed sizes, so the bytes
         # a rank sends per step follow from the model (flower_shard.costmodel); the outer sync
         # is measured as it runs.
@@ -156,10 +170,10 @@ class GroupTrainer:
 
     def train(self) -> None:
         cfg = self.cfg
-        start_round = self.resume(cfg.resume) if cfg.resume else 0
+        if cfg.resume:
+            self.resume(cfg.resume)
         logger = None
         if self.rank == 0:
-            logger = M.MetricsLogger(cfg.out, echo=not cfg.quiet, total_rounds=cfg.rounds)
             if not cfg.quiet:
                 print(
                     f"flower-shard: {self.topology.describe()}, G={cfg.groups} "
@@ -167,19 +181,34 @@ class GroupTrainer:
                     f"model={cfg.model} on {self.device.type}",
                     flush=True,
                 )
-        for _ in range(start_round, cfg.rounds):
-            record = self.train_round()
-            if cfg.eval_every and (self.round % cfg.eval_every == 0 or self.round == cfg.rounds):
-                eval_loss = self.evaluate()
-                record[M.EVAL_LOSS] = eval_loss
-                record[M.EVAL_PPL] = M.perplexity(eval_loss)
-            if cfg.checkpoint_due(self.round):
-                self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
+            logger = M.MetricsLogger(
+                cfg.out,
+                echo=not cfg.quiet,
+                total_rounds=cfg.rounds,
+                total_steps=cfg.total_steps,
+                tensorboard=cfg.tensorboard,
+            )
+            self.on_step = logger.step
+        try:
+            # The budget is in inner steps: with a fixed T that is exactly cfg.rounds rounds;
+            # with --adaptive-t the number of rounds follows from the T chosen each round.
+            while self.step < cfg.total_steps:
+                record = self.train_round(min(self.local_steps, cfg.total_steps - self.step))
+                last = self.step >= cfg.total_steps
+                self.adapt_local_steps(record)
+                if cfg.eval_every and (self.round % cfg.eval_every == 0 or last):
+                    eval_loss = self.evaluate()
+                    record[M.EVAL_LOSS] = eval_loss
+                    record[M.EVAL_PPL] = M.perplexity(eval_loss)
+                if cfg.checkpoint_due(self.round) or (last and cfg.checkpoint_every):
+                    self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
+                if logger:
+                    logger.log(record)
+            self.save_final_model(Path(cfg.out, FINAL_MODEL))
+        finally:  # a live display left running would leave the terminal mid-redraw
+            self.on_step = None
             if logger:
-                logger.log(record)
-        self.save_final_model(Path(cfg.out, FINAL_MODEL))
-        if logger:
-            logger.close()
+                logger.close()
 
     def save_final_model(self, path: str | Path) -> None:
         """Every rank: gather the full model; global rank 0 writes it to ``path`` (safetensors).
@@ -209,10 +238,11 @@ class GroupTrainer:
             os.replace(tmp, path)  # never a half-written final model under the real name
         dist.barrier()
 
-    def train_round(self) -> dict:
-        """T inner steps, then the outer sync; returns the round's metrics."""
+    def train_round(self, n: int | None = None) -> dict:
+        """``n`` (default T) inner steps, then the outer sync; returns the round's metrics."""
+        n = self.cfg.local_steps if n is None else n
         start = time.perf_counter()
-        steps = self.train_steps(self.cfg.local_steps)
+        steps = self.train_steps(n)
         stats = self.outer.sync() if self.outer else None
         round_s = time.perf_counter() - start
         self.round += 1
@@ -228,11 +258,21 @@ class GroupTrainer:
             M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
             M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
             M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
-            M.INTRA_BYTES: self.intra_step_bytes * self.cfg.local_steps,
-            M.INTER_BYTE_SHARE: _share(
-                stats.sent_bytes if stats else 0, self.intra_step_bytes * self.cfg.local_steps
-            ),
+            M.INTRA_BYTES: self.intra_step_bytes * n,
+            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, self.intra_step_bytes * n),
+            M.LOCAL_STEPS: n,
         }
+
+    def adapt_local_steps(self, record: dict) -> None:
+        """--adaptive-t: set the next round's T from this round's timings (rank 0 decides with
+        :class:`~flower_shard.adaptive.AdaptiveT` and broadcasts: every rank must agree)."""
+        if self.adaptive is None:
+            return
+        n = record[M.LOCAL_STEPS]
+        t = self.adaptive.next(n, record[M.COMPUTE_S] / n, record[M.OUTER_SYNC_S])
+        box = torch.tensor([t], dtype=torch.int64, device=self.device)
+        dist.broadcast(box, src=0)
+        self.local_steps = int(box.item())
 
     def train_steps(self, n: int) -> dict:
         """``n`` inner steps on every rank of this world; returns loss, tokens and seconds."""
@@ -345,13 +385,21 @@ class GroupTrainer:
             state["outer"] = outer.sharded_state(self.model)
         return state
 
-    def save_checkpoint(self, root: str | Path, rnd: int, outer: OuterSync | None = None) -> None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        rnd: int,
+        outer: OuterSync | None = None,
+        extra: dict | None = None,
+    ) -> None:
         """Every rank of the group: save the state after round ``rnd`` under ``root``.
 
         Sharded weights, AdamW state and the outer state go through DCP (each rank writes its
         shards); group rank 0 adds ``trainer.pt`` (step, LR schedule, every rank's data
-        position) and commits the directory atomically. ``root`` must be one directory that all
-        ranks of the group see (a shared file system when the group spans hosts).
+        position, and ``extra``: state that rank holds alone, such as the Flower transport's
+        error-feedback residual) and commits the directory atomically. ``root`` must be one
+        directory that all ranks of the group see (a shared file system when the group spans
+        hosts).
         """
         import torch.distributed.checkpoint as dcp
 
@@ -372,6 +420,8 @@ class GroupTrainer:
                     "group": self.group,
                     "scheduler": self.scheduler.state_dict(),
                     "data": data,
+                    "extra": extra or {},
+                    "local_steps": self.local_steps,
                 },
                 Path(box[0]) / C.GROUP_TRAINER,
             )
@@ -404,6 +454,8 @@ class GroupTrainer:
         meta = torch.load(Path(path) / C.GROUP_TRAINER, weights_only=False)
         self.step, self.tokens, self.round = meta["step"], meta["tokens"], meta["round"]
         self.scheduler.load_state_dict(meta["scheduler"])
+        self.loaded_extra = meta.get("extra", {})
+        self.local_steps = meta.get("local_steps", self.cfg.local_steps)
         if len(meta["data"]) == dist.get_world_size(self.group_pg):
             self.batches.load_state_dict(meta["data"][dist.get_rank(self.group_pg)])
         return meta["round"]

@@ -37,6 +37,14 @@ def test_bytes_by_hand():
     # Outer sync over G = 2 of a 1000 B shard (P/S x 4 B): 2 x 1/2 x 1000.
     assert outer_sync_bytes(w, Layout(world=8, groups=2)) == 1000.0
     assert outer_sync_bytes(w, Layout(world=8, groups=1)) == 0.0
+    # Compressed: a ring all-gather of (G-1) payloads of P/S values. int8 with chunks of 100:
+    # 1 byte per value + one 4-byte scale per 100 values; bf16: 2 bytes per value.
+    int8 = Workload(
+        params=1000, compute_s=1.0, tokens_per_step=10, compression="int8", compression_chunk=100
+    )
+    assert outer_sync_bytes(int8, Layout(world=8, groups=2)) == 1 * 250 * 1.04
+    bf16 = Workload(params=1000, compute_s=1.0, tokens_per_step=10, compression="bf16")
+    assert outer_sync_bytes(bf16, Layout(world=4, groups=4)) == 3 * 1000 * 2
 
 
 def test_times_by_hand_and_c_total():

@@ -114,6 +114,78 @@ def test_flower_transport_groups_hold_the_exact_global_model(deployment, tmp_pat
     assert rounds[-1]["tokens"] == ROUNDS * 2 * tokens
 
 
+def test_flower_transport_int8_deltas_with_error_feedback(deployment, tmp_path):
+    """Groups send int8 pseudo-gradients (global - trained) with error feedback; the server
+    applies the token-weighted mean of the decoded deltas. Rebuilt here from the dumps. Round 3
+    spoils one group's weights (NaN): its payload is refused and the round goes on."""
+    from flower_shard import compression as Z
+    from flower_shard.strategies.aggregation import flatten, unflatten
+
+    chunk, rounds_n = 256, 3
+    deployment.fault.write_text(f"{rounds_n}:nan")
+    try:
+        rounds = run(
+            deployment,
+            tmp_path,
+            transport="flower",
+            compression="int8",
+            **{"compression-chunk": chunk, P.NUM_SERVER_ROUNDS: rounds_n},
+        )
+    finally:
+        deployment.fault.unlink()
+    assert [r["groups_ok"] for r in rounds] == [2, 2, 1]
+    assert "non-finite" in " ".join(rounds[-1]["rejected"])
+    glob = initial_global()
+    order = sorted(glob)
+    numel = sum(v.size for v in glob.values())
+    # What one group sends: numel int8 values and one float32 scale per chunk, plus Flower's
+    # framing (each array is an .npy blob with its header), against 4 bytes per value.
+    payload = Z.payload_bytes("int8", numel, chunk)
+    assert payload <= rounds[0]["outer_sync_bytes"] < payload + 512
+    tokens = T * BATCH * SEQ * 2
+    residual = [torch.zeros(numel), torch.zeros(numel)]
+    candidates = None
+    for rnd in range(1, rounds_n + 1):
+        for g in (0, 1):
+            loaded = dumped(deployment, g, rnd, "loaded")
+            assert all(np.array_equal(loaded[k], glob[k]) for k in order), f"round {rnd} g{g}"
+        w = flatten(glob, order)
+        decoded = []
+        for g in (0, 1):
+            target = (w - flatten(dumped(deployment, g, rnd, "trained"), order)) + residual[g]
+            decoded.append(Z.decompress(Z.compress(target, "int8", chunk), "int8", chunk))
+            residual[g] = target - decoded[g]
+        if rnd == rounds_n:  # one group was refused: the mean is the other group's delta
+            candidates = [unflatten(w - d, glob, order) for d in decoded]
+            break
+        d64 = [d.numpy().astype(np.float64) for d in decoded]
+        mean = ((tokens * d64[0] + tokens * d64[1]) / (2 * tokens)).astype(np.float32)
+        glob = unflatten(w - torch.from_numpy(mean), glob, order)
+    final = load_file(tmp_path / "final_model.safetensors")
+    assert any(all(np.array_equal(final[k], c[k]) for k in order) for c in candidates)
+
+
+def test_adaptive_t_sends_each_round_its_t_within_the_step_budget(deployment, tmp_path):
+    """A target no exchange meets (0.1 % of the round): T doubles every round; the groups run
+    exactly the steps they are sent, and the budget (7 rounds x 1 step) ends the run."""
+    rounds = run(
+        deployment,
+        tmp_path,
+        transport="flower",
+        **{
+            P.LOCAL_STEPS: 1,
+            P.NUM_SERVER_ROUNDS: 7,
+            "adaptive-t": True,
+            "exchange-share": 0.001,
+            "eval-every": 0,
+        },
+    )
+    assert [r["local_steps"] for r in rounds] == [1, 2, 4]
+    assert [r["step"] for r in rounds] == [1, 3, 7]
+    per_step = BATCH * SEQ * 2 * 2  # batch x seq_len x K ranks x 2 groups
+    assert [r["tokens"] for r in rounds] == [per_step * s for s in (1, 3, 7)]
+
+
 def test_collective_transport_averages_shards_without_flower(deployment, tmp_path):
     rounds = run(deployment, tmp_path, transport="collective")
     assert [r["exchange_bytes"] for r in rounds] == [0, 0]  # no weights through Flower

@@ -90,3 +90,65 @@ def test_nesterov_matches_plain_torch_reference(tmp_path, corpus_dir):
                 assert torch.equal(post[g][n], weights[n].detach()), f"round {r} group {g}: {n}"
         # The outer step is not a plain average (else the test could not tell them apart).
         assert not torch.equal(post[0][names[0]], (pre[0][names[0]] + pre[1][names[0]]) / 2)
+
+
+def shard_flat(state: dict, names: list[str], s: int, shards: int) -> torch.Tensor:
+    """Rank s's flat local shards, rebuilt from full tensors: FSDP2 cuts dim 0 like torch.chunk."""
+    parts = []
+    for n in names:
+        pieces = torch.chunk(state[n], shards, dim=0)
+        parts.append(pieces[s].reshape(-1) if s < len(pieces) else torch.empty(0))
+    return torch.cat(parts)
+
+
+def unshard(flats: list[torch.Tensor], like: dict, names: list[str]) -> dict:
+    offsets, out = [0] * len(flats), {}
+    for n in names:
+        pieces = []
+        for s, flat in enumerate(flats):
+            chunks = torch.chunk(like[n], len(flats), dim=0)
+            size = chunks[s].numel() if s < len(chunks) else 0
+            pieces.append(flat[offsets[s] : offsets[s] + size].view(-1, *like[n].shape[1:]))
+            offsets[s] += size
+        out[n] = torch.cat(pieces)
+    return out
+
+
+def test_int8_sync_is_the_exact_decoded_mean_with_error_feedback(tmp_path, corpus_dir):
+    """Each rank compresses ITS shard of global - local (chunks of 64, residual carried over),
+    all-gathers, and every group applies the same decoded mean: rebuilt here from full tensors."""
+    from flower_shard import compression as Z
+
+    chunk = 64
+    cfg, load = run_sync(
+        tmp_path, corpus_dir, outer="fedavg", compression="int8", compression_chunk=chunk
+    )
+    shards = cfg.nproc_per_group
+    init = load("init")[0]
+    names = [n for n in init if not n.startswith("_")]
+    glob = {n: init[n] for n in names}
+    residual = [[0.0] * shards for _ in range(GROUPS)]
+    for r in range(cfg.rounds):
+        pre, post = load(f"pre_r{r}"), load(f"post_r{r}")
+        new_flats = []
+        for s in range(shards):
+            w = shard_flat(glob, names, s, shards)
+            mean = torch.zeros_like(w)
+            for g in range(GROUPS):
+                target = (w - shard_flat(pre[g], names, s, shards)) + residual[g][s]
+                decoded = Z.decompress(Z.compress(target, "int8", chunk), "int8", chunk)
+                residual[g][s] = target - decoded
+                mean.add_(decoded)
+            new_flats.append(w - mean.div_(GROUPS))
+        glob = unshard(new_flats, glob, names)
+        exact_mean = {n: (pre[0][n] + pre[1][n]) / 2 for n in names}
+        for n in names:
+            for g in range(GROUPS):
+                assert torch.equal(post[g][n], glob[n]), f"round {r} group {g}: {n}"
+        # Compression really happened: close to the float32 mean, but not equal to it.
+        assert any(not torch.equal(glob[n], exact_mean[n]) for n in names)
+        err = max((glob[n] - exact_mean[n]).abs().max().item() for n in names)
+        assert err < 1e-3
+    # The payload is int8 plus one float32 scale per chunk of 64 values, per shard.
+    numel = shard_flat(glob, names, 0, shards).numel()
+    assert int(load("post_r0")[0]["_payload_bytes"]) == Z.payload_bytes("int8", numel, chunk)

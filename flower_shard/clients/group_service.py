@@ -37,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from flower_shard import checkpoint as C
+from flower_shard import compression as Z
 from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.data import check_fits, prepare_corpus
 from flower_shard.distributed import init_distributed
 from flower_shard.outer_sync import OuterSync
+from flower_shard.strategies.aggregation import flatten
 
 RUN_FILE = "run.json"  # in a group's checkpoint folder: the settings of the run it belongs to
 IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
@@ -67,15 +69,22 @@ def config_from_message(config: dict, data: str | None, device: str) -> TrainCon
     return cfg.validate()
 
 
-def inject_fault(fault_file: str | None, server_round: int, arrays: dict) -> dict:
+VALUE_FAULTS = ("nan", "huge")  # spoil the weights themselves (before any compression)
+FORMAT_FAULTS = ("shape", "missing", "extra")  # spoil what goes on the wire
+
+
+def inject_fault(
+    fault_file: str | None, server_round: int, arrays: dict, only: tuple[str, ...] | None = None
+) -> dict:
     """Fault injection for tests and drills: spoil the weights this group sends.
 
     ``fault_file`` holds ``ROUND:KIND`` items separated by commas, read every round (so a
     running group can be turned bad and good again). KIND: ``nan`` (a non-finite value),
     ``shape`` (one array loses a row), ``missing`` (one array is left out), ``extra`` (an
-    unexpected array is added), ``huge`` (every value times 1e6).
+    unexpected array is added), ``huge`` (every value times 1e6). ``only`` limits the kinds
+    applied (value faults go in before compression, format faults after).
     """
-    kinds = fault_kinds(fault_file, server_round)
+    kinds = [k for k in fault_kinds(fault_file, server_round) if only is None or k in only]
     if not kinds or not arrays:
         return arrays
     arrays = dict(arrays)
@@ -114,7 +123,7 @@ def fault_kinds(fault_file: str | None, server_round: int) -> list[str]:
 
 def run_key(config: dict) -> dict:
     """What identifies a run in a message's config: everything but the per-round keys."""
-    per_round = (P.SERVER_ROUND, P.COLLECTIVE_PREFIX, P.SYNC_RANK, P.SYNC_SIZE)
+    per_round = (P.SERVER_ROUND, P.COLLECTIVE_PREFIX, P.SYNC_RANK, P.SYNC_SIZE, P.ROUND_STEPS)
     return {k: v for k, v in config.items() if k not in per_round}
 
 
@@ -165,6 +174,8 @@ class GroupWorker:
             cfg, self.data_dir, group_index=int(config[P.GROUP_INDEX]), num_groups=cfg.groups
         )
         self.outer = None
+        self.feedback = None
+        self._global = None
         self._store = None  # a new run (or a restarted server) has its own rendezvous store
         if config.get(P.TRANSPORT) == "collective":
             self.outer = OuterSync(
@@ -174,6 +185,9 @@ class GroupWorker:
                 lr=cfg.outer_lr,
                 momentum=cfg.outer_momentum,
                 sync_optimizer_state=cfg.sync_optimizer_state,
+                compression=cfg.compression,
+                chunk=cfg.compression_chunk,
+                error_feedback=cfg.error_feedback,
             )
         self.run_key = key
         if resume_round(config) > 0 or (cfg.checkpoint_every and int(config[P.SERVER_ROUND]) > 1):
@@ -219,6 +233,13 @@ class GroupWorker:
                 )
             return
         loaded = self.trainer.load_checkpoint(box[0], self.outer)
+        residual = self.trainer.loaded_extra.get("error_feedback")
+        if residual is not None and self.rank == 0:  # flower transport, compressed
+            cfg = self.trainer.cfg
+            self.feedback = Z.ErrorFeedback(
+                cfg.compression, cfg.compression_chunk, residual.numel(), cfg.error_feedback
+            )
+            self.feedback.residual.copy_(residual)
         if self.rank == 0:
             how = "resumed" if resume_round(config) else "rejoined"
             print(
@@ -270,6 +291,8 @@ class GroupWorker:
         self.ensure_run(config)
         if command.get("has_arrays"):
             self.load_weights(arrays)
+            # Flower transport with compression: the reply is the delta from these weights.
+            self._global = arrays if self.trainer.cfg.compression != "none" else None
             self.dump(config, "loaded")
         if method == P.EVALUATE:
             return {"metrics": {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
@@ -278,7 +301,7 @@ class GroupWorker:
     def train(self, config: dict) -> tuple[dict, dict]:
         t = self.trainer
         start = time.perf_counter()
-        steps = t.train_steps(int(config[P.LOCAL_STEPS]))
+        steps = t.train_steps(int(config.get(P.ROUND_STEPS, config[P.LOCAL_STEPS])))
         t.round = int(config[P.SERVER_ROUND])
         metrics = {
             P.NUM_TOKENS: steps["tokens"],
@@ -300,7 +323,11 @@ class GroupWorker:
             arrays = self.full_weights()
             if self.dump_dir and self.rank == 0:
                 self._save(arrays, config, "trained")
-            arrays = inject_fault(self.fault_file, int(config[P.SERVER_ROUND]), arrays)
+            rnd = int(config[P.SERVER_ROUND])
+            arrays = inject_fault(self.fault_file, rnd, arrays, only=VALUE_FAULTS)
+            if t.cfg.compression != "none" and arrays:
+                arrays = self.compressed_update(arrays)
+            arrays = inject_fault(self.fault_file, rnd, arrays, only=FORMAT_FAULTS)
         rnd = int(config[P.SERVER_ROUND])
         if t.cfg.checkpoint_due(rnd):
             saving = time.perf_counter()
@@ -308,7 +335,8 @@ class GroupWorker:
             if self.rank == 0 and not (root / RUN_FILE).exists():  # which run this folder is
                 root.mkdir(parents=True, exist_ok=True)
                 (root / RUN_FILE).write_text(json.dumps(run_key(config), indent=1) + "\n")
-            t.save_checkpoint(root, rnd, self.outer)
+            extra = {"error_feedback": self.feedback.residual} if self.feedback else None
+            t.save_checkpoint(root, rnd, self.outer, extra=extra)
             metrics[P.CHECKPOINT_S] = time.perf_counter() - saving
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
         return {"metrics": metrics}, arrays
@@ -335,6 +363,22 @@ class GroupWorker:
         self.outer.restore(saved)
         self._store = None  # the rendezvous may be what broke: connect afresh next round
         return None, error or "another rank of this group failed its part of the sync"
+
+    def compressed_update(self, trained: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rank 0, flower transport with compression: the pseudo-gradient ``global - trained``
+        over all weights (flattened in sorted name order, as the server reads it), compressed
+        with this group's error feedback, as the arrays of the reply."""
+        if self._global is None:
+            raise RuntimeError("compression needs the round's global weights; none were sent")
+        order = sorted(trained)
+        delta = flatten(self._global, order) - flatten(trained, order)
+        if self.feedback is None:  # the first round of the run (or after a restart)
+            cfg = self.trainer.cfg
+            self.feedback = Z.ErrorFeedback(
+                cfg.compression, cfg.compression_chunk, delta.numel(), cfg.error_feedback
+            )
+        payload = self.feedback.compress(delta)
+        return {k: v.numpy() for k, v in payload.items()}
 
     # -- weights ---------------------------------------------------------------------------
 

@@ -76,6 +76,19 @@ def unflatten(flat, like: Arrays, order: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
+def unflatten_flat(
+    flat: np.ndarray, expected: dict[str, tuple[tuple[int, ...], str]], order: list[str]
+) -> dict[str, np.ndarray]:
+    """A flat numpy vector cut into named arrays of the ``expected`` shapes, in ``order``."""
+    out, offset = {}, 0
+    for k in order:
+        shape = expected[k][0]
+        n = int(np.prod(shape))
+        out[k] = flat[offset : offset + n].reshape(shape)
+        offset += n
+    return out
+
+
 def update_norms(models: list[Arrays], global_weights: Arrays) -> list[float]:
     """||x_g - global|| over all arrays of each group (float64)."""
     norms = []

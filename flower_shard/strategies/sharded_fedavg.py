@@ -20,8 +20,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
+from flower_shard import compression as Z
 from flower_shard import metrics as M
 from flower_shard import protocol as P
+from flower_shard.adaptive import AdaptiveT
 from flower_shard.federation import FederationConfig
 from flower_shard.strategies.aggregation import (
     check_arrays,
@@ -31,6 +33,7 @@ from flower_shard.strategies.aggregation import (
     norm_outliers,
     trimmed_mean,
     unflatten,
+    unflatten_flat,
     update_norms,
     weighted_mean,
 )
@@ -151,18 +154,24 @@ class ShardedFedAvg(FedAvg):
         )
         if self.fed.transport != "flower":
             return None, metrics
-        if self.fed.aggregation == "trimmed-mean":
+        if self._compression != "none":
+            new = self._aggregate_deltas(ok, weights)
+        elif self.fed.aggregation == "trimmed-mean":
             mean = trimmed_mean([p["arrays"] for p in ok], self.fed.trim_fraction)
+            new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
         else:
             mean = weighted_mean([p["arrays"] for p in ok], weights)
-        new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
+            new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
         self._global = new
         self._round["server_s"] = time.perf_counter() - start
         return ArrayRecord({k: Array(v) for k, v in new.items()}), metrics
 
     def _reject_outliers(self, server_round: int, ok: list[dict]) -> list[dict]:
         """Drop updates far larger than the others' (see aggregation.norm_outliers)."""
-        norms = update_norms([p["arrays"] for p in ok], self._global)
+        if self._compression != "none":
+            norms = [float(np.linalg.norm(p["delta"].astype(np.float64))) for p in ok]
+        else:
+            norms = update_norms([p["arrays"] for p in ok], self._global)
         bad = norm_outliers(norms, self.fed.outlier_factor)
         for i, reason in bad.items():
             self._round["rejected"].append(f"node {ok[i]['node']}: {reason}")
@@ -198,12 +207,48 @@ class ShardedFedAvg(FedAvg):
                 arrays = {k: v.numpy() for k, v in content[P.ARRAYS].items()}
             except Exception as exc:  # a malformed Array fails to decode
                 return f"undecodable arrays: {exc}", {}
-            reason = check_arrays(arrays, self.expected)
-            if reason:
-                return reason, {}
-            parsed["arrays"] = arrays
+            if self._compression == "none":
+                reason = check_arrays(arrays, self.expected)
+                if reason:
+                    return reason, {}
+                parsed["arrays"] = arrays
+            else:
+                reason, parsed["delta"] = self._decode_delta(arrays)
+                if reason:
+                    return reason, {}
             parsed["bytes"] = content[P.ARRAYS].count_bytes()
         return None, parsed
+
+    @property
+    def _compression(self) -> str:
+        return self.fed.train.compression
+
+    def _decode_delta(self, arrays: dict) -> tuple[str | None, np.ndarray | None]:
+        """A compressed reply: (why it is refused, None) or (None, the flat float32 delta in
+        sorted-name order)."""
+        import torch
+
+        t = self.fed.train
+        payload = {}
+        for k, v in arrays.items():
+            payload[k] = torch.from_numpy(np.ascontiguousarray(v))
+        numel = sum(int(np.prod(shape)) for shape, _ in self.expected.values())
+        reason = Z.check_payload(payload, t.compression, numel, t.compression_chunk)
+        if reason:
+            return reason, None
+        return None, Z.decompress(payload, t.compression, t.compression_chunk).numpy()
+
+    def _aggregate_deltas(self, ok: list[dict], weights: list[float]) -> dict[str, np.ndarray]:
+        """The next global weights from compressed replies: the (token-weighted, or trimmed)
+        mean of the decoded pseudo-gradients, stepped by the outer optimizer."""
+        deltas = [{"delta": p["delta"]} for p in ok]
+        if self.fed.aggregation == "trimmed-mean":
+            mean = trimmed_mean(deltas, self.fed.trim_fraction)["delta"]
+        else:
+            mean = weighted_mean(deltas, weights)["delta"]
+        # The wire order is sorted by name; the outer optimizer's flat order is self.order.
+        pseudo_grad = flatten(unflatten_flat(mean, self.expected, sorted(self.order)), self.order)
+        return unflatten(self.outer.apply(pseudo_grad), self._global, self.order)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -234,7 +279,11 @@ class ShardedFedAvg(FedAvg):
         self.expected, self.order = describe(initial), list(initial)
         self._global = initial
         self.outer = OuterOptimizer(
-            flatten(initial, self.order), t.outer, t.outer_lr, t.outer_momentum
+            flatten(initial, self.order),
+            t.outer,
+            t.outer_lr,
+            t.outer_momentum,
+            track_weights=t.compression != "none",
         )
         first = 1
         if resumed:
@@ -245,10 +294,20 @@ class ShardedFedAvg(FedAvg):
         self._wait_for_groups(grid, timeout)
         arrays, result = initial_arrays, Result()
         tokens = self.history[-1][M.TOKENS] if self.history else 0
-        for rnd in range(first, num_rounds + 1):
+        # The budget is in inner steps: with a fixed T that is exactly num_rounds rounds; with
+        # adaptive-t the number of rounds follows from the T chosen each round.
+        steps = self.history[-1][M.STEP] if self.history else 0
+        budget = num_rounds * t.local_steps
+        local = self._next_local_steps(self.history[-1]) if self.history else t.local_steps
+        rnd = first - 1
+        while steps < budget:
+            rnd += 1
+            n = min(local, budget - steps)
+            steps += n
             start = time.perf_counter()
             self._round = {}
-            messages = list(self.configure_train(rnd, arrays, config, grid))
+            round_config = ConfigRecord(dict(config) | {P.ROUND_STEPS: n})
+            messages = list(self.configure_train(rnd, arrays, round_config, grid))
             sent = arrays.count_bytes() * len(messages) if self.fed.transport == "flower" else 0
             replies = self.send_and_receive(grid, messages, self.fed.round_timeout)
             if self.fed.transport == "collective":
@@ -262,15 +321,32 @@ class ShardedFedAvg(FedAvg):
             if train_metrics is not None:
                 result.train_metrics_clientapp[rnd] = train_metrics
             eval_loss = None
-            if t.eval_every and (rnd % t.eval_every == 0 or rnd == num_rounds):
+            if t.eval_every and (rnd % t.eval_every == 0 or steps >= budget):
                 eval_loss = self._evaluate(rnd, arrays, config, grid, evaluate_fn)
             round_s = time.perf_counter() - start
             record = self._record(rnd, ok, round_tokens, tokens, round_s, eval_loss, sent)
+            record |= {M.STEP: steps, M.LOCAL_STEPS: n}
             self.history.append(record)
             if self.on_round:
                 self.on_round(record)
+            local = self._next_local_steps(record)
         result.arrays = arrays
         return result
+
+    def _next_local_steps(self, record: dict) -> int:
+        """The next round's T: the configured one, or with adaptive-t the rule of
+        :class:`~flower_shard.adaptive.AdaptiveT` applied to the round's record (so that a
+        resumed run picks the same T). The exchange is everything in the round but the
+        groups' compute and the evaluation: gathering, Flower's messaging, the aggregation
+        (or the collective sync), loading the new weights."""
+        t = self.fed.train
+        if not t.adaptive_t:
+            return t.local_steps
+        n = record.get(M.LOCAL_STEPS, t.local_steps)
+        compute = record[M.COMPUTE_S]
+        exchange = record["control_overhead_s"] + record["group_round_s"] - compute
+        rule = AdaptiveT(t.exchange_share, t.min_local_steps, t.max_local_steps)
+        return rule.next(n, compute / n, max(0.0, exchange))
 
     def _drop_dead(self, rnd: int, messages: list[Message], replies: list[Message]) -> None:
         """Leave out of later collective rounds every group that did not answer, or failed for
@@ -297,14 +373,12 @@ class ShardedFedAvg(FedAvg):
         return self._global
 
     def _record(self, rnd, ok, round_tokens, tokens, round_s, eval_loss, sent) -> dict:
-        t = self.fed.train
         groups = [p["metrics"] for p in ok]
         flower = self.fed.transport == "flower"
         received = sum(p.get("bytes", 0) for p in ok)
         group_s = max((g.get(P.GROUP_ROUND_S, 0.0) for g in groups), default=0.0)
         record = {
             M.ROUND: rnd,
-            M.STEP: rnd * t.local_steps,
             M.TOKENS: tokens,
             M.TOKENS_PER_S: round_tokens / round_s,
             M.TRAIN_LOSS: float(
