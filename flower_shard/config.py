@@ -44,7 +44,8 @@ class TrainConfig:
     min_local_steps: int = 1
     """--adaptive-t: the smallest T."""
     max_local_steps: int = 64
-    """--adaptive-t: the largest T."""
+    """--adaptive-t: the largest T; with Flower's `round-seconds`, the most steps a group
+    trains in one round."""
     rounds: int = 5
     """Number of rounds (outer synchronisations)."""
     sharding: str = "fsdp"

@@ -18,7 +18,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flower_shard.certificates import (
@@ -50,7 +50,8 @@ def run_config_arg(run_config: dict) -> str:
 
 
 class LocalDeployment:
-    """SuperLink + ``num_nodes`` nodes (each a torchrun group of ``nproc_per_group``) on loopback.
+    """SuperLink + ``num_nodes`` nodes (each a torchrun group of ``nproc_per_group`` ranks, or
+    of ``nproc_per_group[i]`` for node i: groups of different sizes) on loopback.
 
     Use as a context manager; :meth:`run` starts a run with ``flwr run`` and waits for the
     ServerApp's ``summary.json``.
@@ -66,7 +67,7 @@ class LocalDeployment:
         self,
         work_dir: str | os.PathLike,
         num_nodes: int = 2,
-        nproc_per_group: int = 2,
+        nproc_per_group: int | Sequence[int] = 2,
         dump_dir: str | None = None,
         log: Callable[[str], None] | None = None,
         fault_files: list[str | None] | None = None,
@@ -80,7 +81,16 @@ class LocalDeployment:
                 "supernode_auth needs tls=True: Flower authenticates SuperNodes only over TLS"
             )
         self.work_dir = Path(work_dir).resolve()
-        self.num_nodes, self.nproc_per_group, self.dump_dir = num_nodes, nproc_per_group, dump_dir
+        self.num_nodes, self.dump_dir = num_nodes, dump_dir
+        if isinstance(nproc_per_group, int):
+            nproc_per_group = [nproc_per_group] * num_nodes
+        if len(nproc_per_group) != num_nodes:
+            raise ConfigError(
+                f"nproc_per_group has {len(nproc_per_group)} sizes for {num_nodes} nodes: give "
+                "one size, or one per node"
+            )
+        self.nproc_per_group = list(nproc_per_group)
+        """Each node's group size."""
         self.log = log or (lambda _msg: None)
         self.fault_files = fault_files or [None] * num_nodes
         self.poll_interval = poll_interval
@@ -187,11 +197,12 @@ class LocalDeployment:
                 self.node_keys.append(keys)
         for i in range(self.num_nodes):
             self.log(
-                f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group} "
+                f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group[i]} "
                 "ranks, then flower-supernode"
             )
             node = Node(
                 self.node_config(
+                    nproc_per_group=self.nproc_per_group[i],
                     work_dir=str(self.work_dir / f"node{i}"),
                     dump_dir=self.dump_dir,
                     fault_file=self.fault_files[i],
@@ -211,7 +222,7 @@ class LocalDeployment:
         """A NodeConfig that connects to this SuperLink (TLS if on), with ``overrides``."""
         settings = {
             "superlink": self.address,
-            "nproc_per_group": self.nproc_per_group,
+            "nproc_per_group": self.nproc_per_group[0],
             "poll_interval": self.poll_interval,
             "root_certificates": self.ca_cert,
         } | overrides

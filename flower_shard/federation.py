@@ -2,8 +2,8 @@
 
 Run-config keys are the kebab-case names of :class:`~flower_shard.config.TrainConfig` fields
 (``seq-len``, ``batch-size``, ...) plus Flower-specific ones: ``num-server-rounds``,
-``local-steps``, ``transport``, ``outer-optimizer``, ``min-groups``, ``round-timeout``,
-``collective-address``, ``poll-interval``, ``out-dir``.
+``local-steps``, ``transport``, ``outer-optimizer``, ``min-groups``, ``round-seconds``,
+``round-timeout``, ``collective-address``, ``poll-interval``, ``out-dir``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ class FederationConfig:
     """`flower`: weights travel in Flower Messages; `collective`: groups all-reduce shards."""
     min_groups: int = 1
     """A round updates the global model only if at least this many groups replied validly."""
+    round_seconds: float = 0.0
+    """Time-budgeted rounds: each group trains as many inner steps as fit in this many seconds
+    (at least one, at most `max-local-steps`), reports its steps and tokens, and the
+    aggregation weights by tokens, so fast and slow groups (different K or hardware) finish a
+    round together; the run is `num-server-rounds` rounds and the inner LR schedule follows
+    its time. 0: every group trains `local-steps` steps."""
     round_timeout: float = 600.0
     """Seconds to wait for the groups' replies in one round; late groups are left out."""
     sync_timeout: float = 120.0
@@ -87,6 +93,17 @@ class FederationConfig:
             )
         if self.outlier_factor < 0 or not 0 <= self.trim_fraction < 0.5:
             raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
+        if not 0 <= self.round_seconds < float("inf"):  # also refuses NaN
+            raise ConfigError(f"round-seconds must be >= 0 (0: fixed T), got {self.round_seconds}")
+        if self.round_seconds and self.train.adaptive_t:
+            raise ConfigError(
+                "round-seconds and adaptive-t both choose the steps of a round: set one of them"
+            )
+        if self.round_seconds and self.round_seconds >= self.round_timeout:
+            raise ConfigError(
+                f"round-seconds {self.round_seconds} must be below round-timeout "
+                f"{self.round_timeout}, or every round would time out"
+            )
         if self.min_groups < 1:
             raise ConfigError(f"min-groups must be >= 1, got {self.min_groups}")
         if self.round_timeout <= 0 or self.poll_interval <= 0 or self.sync_timeout <= 0:

@@ -28,6 +28,7 @@ SYNC_ABANDONED = "cross-group sync abandoned"
 RUN_ID = "run-id"  # Flower's id of the run: two runs never share a group's trainer
 RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
 ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adaptive-t's choice)
+ROUND_SECONDS = "round-seconds"  # time-budgeted rounds: train this long (0: round-steps)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 
 # -- reply metrics ------------------------------------------------------------------------------

@@ -121,9 +121,17 @@ class GroupTrainer:
             weight_decay=cfg.weight_decay,
         )
         warmup = int(cfg.warmup_frac * cfg.total_steps)
+        self.lr_position: float | None = None
+        """Time-budgeted rounds: where the run is in the LR schedule, in steps of the nominal
+        ``total_steps`` (set from the clock); None: the optimizer step is the position."""
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda step: warmup_cosine(step, cfg.total_steps, warmup, cfg.min_lr_ratio),
+            lambda step: warmup_cosine(
+                step if self.lr_position is None else int(self.lr_position),
+                cfg.total_steps,
+                warmup,
+                cfg.min_lr_ratio,
+            ),
         )
         self.outer = None
         if cfg.groups > 1 and group_index is None:
@@ -274,21 +282,45 @@ class GroupTrainer:
         dist.broadcast(box, src=0)
         self.local_steps = int(box.item())
 
-    def train_steps(self, n: int) -> dict:
-        """``n`` inner steps on every rank of this world; returns loss, tokens and seconds."""
+    def train_steps(
+        self, n: int, seconds: float | None = None, progress: tuple[int, int] | None = None
+    ) -> dict:
+        """``n`` inner steps on every rank of this world; returns loss, steps, tokens, seconds.
+
+        Time-budgeted (``seconds``): steps until ``seconds`` have passed, at least one and at
+        most ``n``. Rank 0's clock decides, broadcast after each step, so every rank of the
+        group stops after the same step (FSDP needs every rank in every collective).
+        ``progress`` = (rounds done, rounds in the run): the LR schedule then follows the
+        run's time, ``(done + elapsed / seconds) / rounds`` of the way through, so a fast and
+        a slow group decay alike instead of by their own step counts.
+        """
         cfg = self.cfg
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(n):
+        clock = torch.zeros(1, dtype=torch.float64, device=self.device)
+        done = 0
+        while done < n:
+            if seconds is not None and progress is not None:
+                # The position at this step's start sets the LR of the next step (one step of
+                # lag), the same on every rank since the clock is rank 0's.
+                rounds_done, rounds = progress
+                fraction = min(1.0, (rounds_done + clock.item() / seconds) / rounds)
+                self.lr_position = fraction * cfg.total_steps
             inputs, targets = next(self.batches)
             loss_sum += self.train_step(inputs.to(self.device), targets.to(self.device))
+            done += 1
             if self.on_step is not None:
                 self.on_step(self.step)
-        seconds = _elapsed(start, self.device)
-        tokens = n * cfg.batch_size * cfg.seq_len * self.world
+            if seconds is not None:
+                clock.fill_(_elapsed(start, self.device))
+                dist.broadcast(clock, src=0)
+                if clock.item() >= seconds:
+                    break
+        elapsed = _elapsed(start, self.device)
+        tokens = done * cfg.batch_size * cfg.seq_len * self.world
         self.tokens += tokens
-        loss = dist_sum(loss_sum, self.device) / (n * self.world)
-        return {"loss": loss, "tokens": tokens, "seconds": seconds}
+        loss = dist_sum(loss_sum, self.device) / (done * self.world)
+        return {"loss": loss, "steps": done, "tokens": tokens, "seconds": elapsed}
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One inner AdamW step on this rank's batch; returns the (detached) loss."""

@@ -186,6 +186,58 @@ def test_adaptive_t_sends_each_round_its_t_within_the_step_budget(deployment, tm
     assert [r["tokens"] for r in rounds] == [per_step * s for s in (1, 3, 7)]
 
 
+def test_time_budgeted_rounds_with_groups_of_different_sizes(tmp_path):
+    """Groups of K = 2 and K = 1 in one federation, each round 1.5 s of training per group:
+    every group reports the steps that fit and the tokens they made (steps x batch x seq x K),
+    and the global model is exactly their token-weighted mean (rebuilt from the dumps)."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    budget, cap = 1.5, 500
+    with LocalDeployment(
+        tmp_path / "dep", num_nodes=2, nproc_per_group=[2, 1], dump_dir=str(dump)
+    ) as dep:
+        dep.dump = dump
+        rounds = run(
+            dep,
+            tmp_path / "out",
+            transport="flower",
+            **{P.ROUND_SECONDS: budget, "max-local-steps": cap, "eval-every": 0},
+        )
+    assert [r["round"] for r in rounds] == [1, 2]  # num-server-rounds rounds, not a step budget
+    # The LR follows the run's time: after round 1 of 2 the groups are about half-way through
+    # the cosine (x0.78 at the start of their last step), not at its floor (x0.1), where
+    # their own step counts (far past the nominal 2 x 2 steps) would put them.
+    assert rounds[0]["lr"] > 0.5 * 3e-3
+    expected = initial_global()
+    for rnd, record in zip((1, 2), rounds):
+        groups = record["groups"]
+        assert [g["group"] for g in groups] == [0, 1]
+        sizes = sorted(g["tokens"] // (g["steps"] * BATCH * SEQ) for g in groups)
+        assert sizes == [1, 2]  # one group of each size took part
+        for g in groups:
+            assert g["tokens"] % (g["steps"] * BATCH * SEQ) == 0
+            assert 1 <= g["steps"] < cap and g["compute_s"] >= budget  # stopped by the clock
+        assert record["tokens"] == sum(g["tokens"] for r in rounds[:rnd] for g in r["groups"])
+        assert record["step"] == sum(max(g["steps"] for g in r["groups"]) for r in rounds[:rnd])
+        for g in (0, 1):
+            loaded = dumped(dep, g, rnd, "loaded")
+            assert all(np.array_equal(loaded[k], expected[k]) for k in expected), (rnd, g)
+        trained = [dumped(dep, g, rnd, "trained") for g in (0, 1)]
+        tokens = [g["tokens"] for g in groups]
+        expected = {
+            k: (
+                (
+                    tokens[0] * trained[0][k].astype(np.float64)
+                    + tokens[1] * trained[1][k].astype(np.float64)
+                )
+                / sum(tokens)
+            ).astype(np.float32)
+            for k in expected
+        }
+    final = load_file(tmp_path / "out" / "final_model.safetensors")
+    assert all(np.array_equal(final[k], expected[k]) for k in expected)
+
+
 def test_collective_transport_averages_shards_without_flower(deployment, tmp_path):
     rounds = run(deployment, tmp_path, transport="collective")
     assert [r["exchange_bytes"] for r in rounds] == [0, 0]  # no weights through Flower
@@ -335,6 +387,10 @@ def test_bad_run_config_fails_with_one_line():
         ({"resume": "/nonexistent/run"}, "no checkpoints/ there"),
         ({"outlier-factor": -1}, "outlier-factor"),
         ({"aggregation": "median"}, "aggregation"),
+        ({"round-seconds": -1.0}, "round-seconds must be >= 0"),
+        ({"round-seconds": float("nan")}, "round-seconds must be >= 0"),
+        ({"round-seconds": 5.0, "adaptive-t": True}, "set one of them"),
+        ({"round-seconds": 700.0}, "below round-timeout"),
     ):
         with pytest.raises(ConfigError, match=message):
             FederationConfig.from_run_config(bad)

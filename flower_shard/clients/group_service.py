@@ -123,7 +123,14 @@ def fault_kinds(fault_file: str | None, server_round: int) -> list[str]:
 
 def run_key(config: dict) -> dict:
     """What identifies a run in a message's config: everything but the per-round keys."""
-    per_round = (P.SERVER_ROUND, P.COLLECTIVE_PREFIX, P.SYNC_RANK, P.SYNC_SIZE, P.ROUND_STEPS)
+    per_round = (
+        P.SERVER_ROUND,
+        P.COLLECTIVE_PREFIX,
+        P.SYNC_RANK,
+        P.SYNC_SIZE,
+        P.ROUND_STEPS,
+        P.ROUND_SECONDS,
+    )
     return {k: v for k, v in config.items() if k not in per_round}
 
 
@@ -301,9 +308,17 @@ class GroupWorker:
     def train(self, config: dict) -> tuple[dict, dict]:
         t = self.trainer
         start = time.perf_counter()
-        steps = t.train_steps(int(config.get(P.ROUND_STEPS, config[P.LOCAL_STEPS])))
+        n = int(config.get(P.ROUND_STEPS, config[P.LOCAL_STEPS]))
+        budget = float(config.get(P.ROUND_SECONDS, 0.0))
+        if budget > 0:  # time-budgeted: as many steps as fit, at most n (max-local-steps)
+            progress = (int(config[P.SERVER_ROUND]) - 1, int(config[P.NUM_SERVER_ROUNDS]))
+            steps = t.train_steps(n, seconds=budget, progress=progress)
+        else:
+            steps = t.train_steps(n)
         t.round = int(config[P.SERVER_ROUND])
         metrics = {
+            P.GROUP_INDEX: int(config[P.GROUP_INDEX]),
+            P.ROUND_STEPS: steps["steps"],
             P.NUM_TOKENS: steps["tokens"],
             P.TRAIN_LOSS: steps["loss"],
             P.COMPUTE_S: steps["seconds"],

@@ -295,18 +295,21 @@ class ShardedFedAvg(FedAvg):
         arrays, result = initial_arrays, Result()
         tokens = self.history[-1][M.TOKENS] if self.history else 0
         # The budget is in inner steps: with a fixed T that is exactly num_rounds rounds; with
-        # adaptive-t the number of rounds follows from the T chosen each round.
+        # adaptive-t the number of rounds follows from the T chosen each round. Time-budgeted
+        # rounds (round-seconds): num_rounds rounds, each group as many steps as fit.
+        timed = self.fed.round_seconds > 0
         steps = self.history[-1][M.STEP] if self.history else 0
         budget = num_rounds * t.local_steps
         local = self._next_local_steps(self.history[-1]) if self.history else t.local_steps
         rnd = first - 1
-        while steps < budget:
+        while rnd < num_rounds if timed else steps < budget:
             rnd += 1
-            n = min(local, budget - steps)
-            steps += n
+            n = t.max_local_steps if timed else min(local, budget - steps)
             start = time.perf_counter()
             self._round = {}
             round_config = ConfigRecord(dict(config) | {P.ROUND_STEPS: n})
+            if timed:
+                round_config[P.ROUND_SECONDS] = float(self.fed.round_seconds)
             messages = list(self.configure_train(rnd, arrays, round_config, grid))
             sent = arrays.count_bytes() * len(messages) if self.fed.transport == "flower" else 0
             replies = self.send_and_receive(grid, messages, self.fed.round_timeout)
@@ -316,12 +319,16 @@ class ShardedFedAvg(FedAvg):
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             ok = self._round["ok"]
+            if timed:  # the step count advances by the most steps a group trained
+                n = max((int(p["metrics"].get(P.ROUND_STEPS, 0)) for p in ok), default=0)
+            steps += n
+            last = rnd >= num_rounds if timed else steps >= budget
             round_tokens = int(sum(p["metrics"][P.NUM_TOKENS] for p in ok))
             tokens += round_tokens
             if train_metrics is not None:
                 result.train_metrics_clientapp[rnd] = train_metrics
             eval_loss = None
-            if t.eval_every and (rnd % t.eval_every == 0 or steps >= budget):
+            if t.eval_every and (rnd % t.eval_every == 0 or last):
                 eval_loss = self._evaluate(rnd, arrays, config, grid, evaluate_fn)
             round_s = time.perf_counter() - start
             record = self._record(rnd, ok, round_tokens, tokens, round_s, eval_loss, sent)
@@ -406,6 +413,19 @@ class ShardedFedAvg(FedAvg):
             "reply_wait_s": self._round.get("reply_wait_s", 0.0),
             "group_round_s": group_s,
             "control_overhead_s": max(0.0, round_s - group_s - self._round.get("eval_s", 0.0)),
+            # Each valid group's share of the round (they differ with round-seconds or K).
+            "groups": sorted(
+                (
+                    {
+                        "group": int(g.get(P.GROUP_INDEX, -1)),
+                        "steps": int(g.get(P.ROUND_STEPS, 0)),
+                        "tokens": int(g[P.NUM_TOKENS]),
+                        "compute_s": float(g.get(P.COMPUTE_S, 0.0)),
+                    }
+                    for g in groups
+                ),
+                key=lambda g: g["group"],
+            ),
         }
         if eval_loss is not None:
             record[M.EVAL_LOSS] = eval_loss
