@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flower_shard import protocol as P
@@ -48,7 +49,13 @@ class SiteKilled(RuntimeError):
     """A site's rank died by a signal (gloo aborts a process on some transport errors)."""
 
 
-def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Path) -> dict:
+def run_config(
+    net: EmulatedNetwork,
+    cfg: TrainConfig,
+    data_dir: Path,
+    work: Path,
+    watch: Callable[[Path], None] | None = None,
+) -> dict:
     """:func:`run_once`, again once if a rank died by a signal; the result counts retries.
 
     gloo's transport thread can abort a process (SIGABRT) on a connection error instead of
@@ -56,15 +63,24 @@ def run_config(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Pat
     is printed and kept in the JSON (``retries``); a second failure fails the benchmark.
     """
     try:
-        return run_once(net, cfg, data_dir, work) | {"retries": 0}
+        return run_once(net, cfg, data_dir, work, watch) | {"retries": 0}
     except SiteKilled as exc:
         print(f"multitier: a rank died by a signal; running the configuration again\n{exc}")
-        return run_once(net, cfg, data_dir, work) | {"retries": 1}
+        return run_once(net, cfg, data_dir, work, watch) | {"retries": 1}
 
 
-def run_once(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Path) -> dict:
-    """Run one configuration across the sites; return its metrics and the bytes per tier."""
-    out = work / f"g{cfg.groups}_t{cfg.local_steps}"
+def run_once(
+    net: EmulatedNetwork,
+    cfg: TrainConfig,
+    data_dir: Path,
+    work: Path,
+    watch: Callable[[Path], None] | None = None,
+) -> dict:
+    """Run one configuration across the sites; return its metrics and the bytes per tier.
+
+    ``watch`` is called with the run's directory about every 0.2 s while it runs (e.g. to
+    re-shape the link once the run reaches a step)."""
+    out = work / f"g{cfg.groups}_t{cfg.local_steps}{'_adaptive' if cfg.adaptive_t else ''}"
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, out=str(out), nnodes=net.sites, quiet=True)
     (out / "data").unlink(missing_ok=True)
@@ -95,7 +111,7 @@ def run_once(net: EmulatedNetwork, cfg: TrainConfig, data_dir: Path, work: Path)
         ]
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
     try:
-        wait_all(procs, timeout_s=3600)
+        wait_all(procs, timeout_s=3600, watch=(lambda: watch(out)) if watch else None)
     finally:
         for p in procs:
             p.stop()
@@ -183,7 +199,9 @@ def flower_rounds(records: list[dict]) -> list[dict]:
     return out
 
 
-def wait_all(procs: list[ManagedProcess], timeout_s: float) -> None:
+def wait_all(
+    procs: list[ManagedProcess], timeout_s: float, watch: Callable[[], None] | None = None
+) -> None:
     """Wait for every site; on a failure, name the one that failed first and show every log.
 
     The site that failed first is the cause; the others usually fail because a peer vanished.
@@ -194,6 +212,8 @@ def wait_all(procs: list[ManagedProcess], timeout_s: float) -> None:
         failed = [p for p in procs if not p.alive() and p.proc.returncode != 0]
         if time.monotonic() > deadline:
             raise RuntimeError(f"sites still running after {timeout_s:.0f} s")
+        if watch:
+            watch()
         time.sleep(0.2)
     failed = failed or [p for p in procs if p.proc.returncode != 0]
     if failed:
@@ -220,6 +240,7 @@ def make_configs(
     hsdp: bool,
     flower: bool = False,
     compressions: tuple[str, ...] = (),
+    compress_flower: bool = True,
 ) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
@@ -227,7 +248,8 @@ def make_configs(
     FL+HSDP groups are sites with R = 2, S = k / 2 inside.
     FL runs get twice the steps: they are still training at the baseline's wall-clock budget.
     Each of ``compressions`` (bf16, int8) adds a copy of every FL configuration that
-    compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``).
+    compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``, unless
+    ``compress_flower`` is False).
     """
     kinds = [("fsdp", 1, 1)] + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -274,7 +296,9 @@ def make_configs(
         out += [
             (name.replace(" T=", f"+{c} T="), dataclasses.replace(cfg, compression=c))
             for name, cfg in list(out)
-            if name.startswith("fl-") and "+" not in name
+            if name.startswith("fl-")
+            and "+" not in name
+            and (compress_flower or "flower" not in name)
         ]
     return out
 
@@ -380,6 +404,12 @@ def main() -> None:
         help="comma-separated bf16,int8: also run every FL configuration with its exchange "
         "compressed that way (side by side with the float32 one)",
     )
+    p.add_argument(
+        "--no-flower-compression",
+        action="store_true",
+        help="compress only the collective configurations (the smoke test: tests/test_flower.py "
+        "checks compression through Flower)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
     args = p.parse_args()
@@ -418,7 +448,14 @@ def main() -> None:
                     dep = stack.enter_context(SiteDeployment(net, work / f"flower{rate:g}", k))
                 for rep in range(args.repeats):
                     configs = make_configs(
-                        base_cfg, k, ts, args.steps, args.hsdp, args.flower, compressions
+                        base_cfg,
+                        k,
+                        ts,
+                        args.steps,
+                        args.hsdp,
+                        args.flower,
+                        compressions,
+                        not args.no_flower_compression,
                     )
                     if rep % 2:
                         configs.reverse()

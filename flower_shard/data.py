@@ -688,6 +688,21 @@ def eval_shard(
     return blocks[: min(n_sequences, len(blocks))][rank::world_size]
 
 
+def prepare_for(directory: str | Path, cfg) -> CorpusInfo:
+    """Tokenise ``cfg``'s corpus into ``directory`` (reused while current), then
+    :func:`check_fits` it to ``cfg`` (a :class:`~flower_shard.config.TrainConfig`)."""
+    info = prepare_corpus(
+        directory,
+        cfg.data,
+        cfg.tokenizer,
+        cfg.eval_fraction,
+        cfg.text_column,
+        cfg.partition_label,
+    )
+    check_fits(info, cfg)
+    return info
+
+
 def check_fits(info: CorpusInfo, cfg) -> None:
     """Fail before launch if the corpus cannot feed the topology (see :func:`partition` and
     :func:`partition_data`), or if its tokenizer emits ids the model cannot embed."""

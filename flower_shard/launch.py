@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.data import check_fits, prepare_corpus
+from flower_shard.data import prepare_for
 from flower_shard.metrics import METRICS_FILE
 from flower_shard.processes import start_marked, stop_tree
 from flower_shard.trainer import DATA_SUBDIR
@@ -76,15 +76,7 @@ def prepare_run(cfg: TrainConfig) -> Path:
     cfg.validate()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = prepare_corpus(
-        out / DATA_SUBDIR,
-        cfg.data,
-        cfg.tokenizer,
-        cfg.eval_fraction,
-        cfg.text_column,
-        cfg.partition_label,
-    )
-    check_fits(info, cfg)
+    prepare_for(out / DATA_SUBDIR, cfg)
     metrics = out / METRICS_FILE
     if metrics.exists() and cfg.resume is None:  # a new run in the same directory: a new log
         metrics.unlink()

@@ -27,6 +27,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--smoke", "--flower", "--compression", "int8"]
+        + ["--no-flower-compression"]
         + ["--out", str(out)],
         capture_output=True,
         text=True,
@@ -50,13 +51,12 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert flower["ppl_equal_tokens"] == fl["ppl_equal_tokens"]
     assert 0 < flower["inter_byte_share"]["median"] < fsdp["inter_byte_share"]["median"]
     # int8 with error feedback: what crosses the site link shrinks as the cost model says (the
-    # all-gather of 1-byte values and their scales), and the model trains the same.
-    int8, flower8 = entries["fl-fsdp+int8 T=4"], entries["fl-fsdp-flower+int8 T=4"]
+    # all-gather of 1-byte values and their scales), and the model trains the same. (Through
+    # Flower: tests/test_flower.py.)
+    assert "fl-fsdp-flower+int8 T=4" not in entries
+    int8 = entries["fl-fsdp+int8 T=4"]
     ratio = int8["inter_bytes"]["median"] / int8["predicted_inter_bytes"]
     assert 1.0 <= ratio <= 1.6, ratio
     assert int8["inter_bytes"]["median"] < fl["inter_bytes"]["median"] / 2.5
-    sent = flower8["sync_bytes_per_round"]["median"] / flower["sync_bytes_per_round"]["median"]
-    assert 0.24 < sent < 0.26, sent  # 1 + 4/2048 bytes per value instead of 4 (+ framing)
-    for a, b in ((int8, fl), (flower8, flower)):
-        ppl = a["ppl_equal_tokens"]["median"] / b["ppl_equal_tokens"]["median"]
-        assert abs(ppl - 1) < 0.01, ppl
+    ppl = int8["ppl_equal_tokens"]["median"] / fl["ppl_equal_tokens"]["median"]
+    assert abs(ppl - 1) < 0.01, ppl

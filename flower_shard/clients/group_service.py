@@ -40,7 +40,7 @@ from flower_shard import checkpoint as C
 from flower_shard import compression as Z
 from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.data import check_fits, prepare_corpus
+from flower_shard.data import prepare_for
 from flower_shard.distributed import init_distributed
 from flower_shard.outer_sync import OuterSync
 from flower_shard.strategies.aggregation import flatten
@@ -268,15 +268,7 @@ class GroupWorker:
         if run_key(config) == self.run_key:
             return
         cfg = config_from_message(config, self.data, self.device_pref)
-        info = prepare_corpus(
-            self.data_dir,
-            cfg.data,
-            cfg.tokenizer,
-            cfg.eval_fraction,
-            cfg.text_column,
-            cfg.partition_label,
-        )
-        check_fits(info, cfg)
+        prepare_for(self.data_dir, cfg)
         if (
             resume_round(config) > 0
             and config.get(P.TRANSPORT) == "collective"
