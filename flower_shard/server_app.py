@@ -161,7 +161,10 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
     run_name = resumed["run_name"] if resumed else str(out)
     logger = M.MetricsLogger(
-        out, echo=not t.quiet, total_rounds=t.rounds, tensorboard=t.tensorboard
+        out,
+        echo=not t.quiet,
+        total_rounds=0 if t.adaptive_t else t.rounds,  # with adaptive-t the rounds vary
+        tensorboard=t.tensorboard,
     )
     store = None
     if fed.transport == "collective":  # host the cross-group rendezvous for the groups

@@ -192,7 +192,7 @@ class GroupTrainer:
             logger = M.MetricsLogger(
                 cfg.out,
                 echo=not cfg.quiet,
-                total_rounds=cfg.rounds,
+                total_rounds=0 if cfg.adaptive_t else cfg.rounds,  # adaptive: rounds vary
                 total_steps=cfg.total_steps,
                 tensorboard=cfg.tensorboard,
             )
