@@ -153,7 +153,9 @@ def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
 
     killer = threading.Thread(target=kill_a_rank_mid_round, daemon=True)
     killer.start()
-    run_config = config(tmp_path, "flower", **{P.NUM_SERVER_ROUNDS: 6, P.LOCAL_STEPS: 8})
+    # T = 24: the round lasts ~1 s, far longer than the kill takes to land (at T = 8 the
+    # group could finish round 2 before the SIGKILL arrived).
+    run_config = config(tmp_path, "flower", **{P.NUM_SERVER_ROUNDS: 6, P.LOCAL_STEPS: 24})
     summary = deployment.run(run_config | {P.MIN_GROUPS: 1})
     killer.join(timeout=5)
     assert killed, "no rank was killed"
