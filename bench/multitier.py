@@ -361,6 +361,7 @@ def predicted_speedup(
         intra_node_lat=0,
         inter_node_lat=0,
         inter_site_lat=0,
+        backend="gloo",  # the benchmark runs on CPU
     )
     w = Workload(
         params=params, compute_s=compute_s, tokens_per_step=tokens, compression=compression
@@ -411,8 +412,17 @@ def main() -> None:
         "checks compression through Flower)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
+    p.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="run nothing: price the configurations of an earlier result file again with the "
+        "current cost model (from their measured compute per step) and print its table",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "multitier.json"))
     args = p.parse_args()
+    if args.repredict:
+        repredict(Path(args.repredict))
+        return
     if args.smoke:
         args.model, args.rates_mbit, args.local_steps = "tiny", "100", "4"
         args.steps, args.repeats, args.seq_len = 8, 1, 32
@@ -534,6 +544,30 @@ def plot(results: dict, path: Path) -> None:
     print(f"multitier: plot in {path}")
 
 
+def repredict(path: Path) -> None:
+    """Rewrite ``predicted_speedup`` in a result file with the current cost model."""
+    results = json.loads(path.read_text())
+    c = results["config"]
+    for rate, entries in results["rates"].items():
+        for name, e in entries.items():
+            if "compute_s_per_step" not in e:
+                continue
+            e["predicted_speedup"] = predicted_speedup(
+                results["params"],
+                e["compute_s_per_step"],
+                c["batch_size"] * c["seq_len"],
+                float(rate),
+                c["ranks_per_site"],
+                int(name.split("=")[1]),
+                name.startswith("fl-hsdp"),
+                name.split("+")[1].split()[0] if "+" in name else "none",
+            )
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    if path.with_suffix(".png").exists():
+        plot(results, path.with_suffix(".png"))
+
+
 def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: int) -> dict:
     out = {}
     for name, runs in samples.items():
@@ -568,6 +602,7 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             t = int(name.split("=")[1])
             compression = name.split("+")[1].split()[0] if "+" in name else "none"
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
+            entry["compute_s_per_step"] = compute  # the model's input: --repredict reuses it
             entry["predicted_speedup"] = predicted_speedup(
                 params, compute, tokens_per_step, rate, k, t, kind == "hsdp", compression
             )

@@ -8,14 +8,18 @@ moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
 
 - inside a group, per step (FSDP2 with reshard after forward):
   ``allgathers`` x (S-1)/S x P x param_bytes   (forward and backward all-gathers)
-  + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter)
+  + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter; twice that on gloo,
+                                                  which runs it as an all-reduce)
   + 2 (R-1)/R x P/S x grad_bytes                 (HSDP: all-reduce of the shards across replicas)
 - between groups, per round: 2 (G-1)/G x P/S x 4 (one flat float32 all-reduce of the shards),
   so per step C_inter / T; compressed (bf16, int8: flower_shard.compression), a ring
   all-gather of the payloads instead, (G-1) x P/S x bytes per value (2, or 1 + 4 / chunk).
 
 Times: a collective runs at the bandwidth of the slowest tier its ranks span (intra-node,
-inter-node, inter-site), plus a latency term per ring step, with no overlap with compute
+inter-node, inter-site), plus a latency term per ring step. A site's link is shared: when a
+collective dimension crosses sites, all its parallel instances that leave one site (one per
+rank of the site, up to the dimension's stride: S for HSDP's replicate all-reduce, K for the
+outer sync, 1 for FSDP over all ranks) split that link's bandwidth. No overlap with compute
 (an upper bound on the step time; ``overlap`` in [0, 1] hides that fraction of the intra-group
 communication behind compute). Step time = compute + C_intra + C_inter / T. Throughput = N x
 tokens per rank step / step time: the global batch of a group is B_local x K, not B_local x N,
@@ -40,19 +44,28 @@ class Network:
     intra_node_lat: float = 5e-6
     inter_node_lat: float = 20e-6
     inter_site_lat: float = 1e-3
+    site_link_shared: bool = True
+    """The inter-site bandwidth is one link per site, shared by every ring that leaves the
+    site at once (a WAN link; the emulated sites of bench/multitier.py). False: per rank."""
+    backend: str = "nccl"
+    """The collective library: ``nccl`` (ring reduce-scatter) or ``gloo`` (reduce-scatter as
+    an all-reduce: twice the bytes)."""
 
     def tier(self, span: int, stride: int = 1) -> tuple[float, float]:
-        """(bandwidth, latency) of a collective over ``span`` ranks ``stride`` apart.
+        """(bandwidth per ring, latency) of a collective over ``span`` ranks ``stride`` apart.
 
         Ranks are laid out node by node, site by site; the collective touches ranks
-        ``0, stride, ..., (span-1) * stride``.
+        ``0, stride, ..., (span-1) * stride``, and the same collective runs at once on every
+        offset (the other instances of its mesh dimension).
         """
         extent = (span - 1) * stride + 1
+        site = self.ranks_per_node * self.nodes_per_site
         if extent <= self.ranks_per_node:
             return self.intra_node_bw, self.intra_node_lat
-        if extent <= self.ranks_per_node * self.nodes_per_site:
+        if extent <= site:
             return self.inter_node_bw, self.inter_node_lat
-        return self.inter_site_bw, self.inter_site_lat
+        rings = min(stride, site) if self.site_link_shared else 1
+        return self.inter_site_bw / rings, self.inter_site_lat
 
 
 @dataclass(frozen=True)
@@ -133,13 +146,17 @@ def ring_fraction(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def intra_group_bytes(w: Workload, lay: Layout) -> dict[str, float]:
-    """Bytes each rank sends inside its group in one step, per collective."""
+def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[str, float]:
+    """Bytes each rank sends inside its group in one step, per collective (the names of
+    :mod:`flower_shard.intra_comm`, which counts them in a real run)."""
     s, r = lay.shard, lay.replicate
     shard_bytes = w.params * w.grad_bytes / s
     return {
         "allgather": w.allgathers * ring_fraction(s) * w.params * w.param_bytes,
-        "reduce_scatter": ring_fraction(s) * w.params * w.grad_bytes,
+        "reduce_scatter": (2 if backend == "gloo" else 1)
+        * ring_fraction(s)
+        * w.params
+        * w.grad_bytes,
         "replicate_allreduce": 2 * ring_fraction(r) * shard_bytes,
     }
 
@@ -161,14 +178,14 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     if lay.world % lay.groups or lay.group_size % lay.replicate:
         raise ValueError(f"invalid layout {lay}: need N = G x K and K = R x S")
     s, r, g = lay.shard, lay.replicate, lay.groups
-    b = intra_group_bytes(w, lay)
+    b = intra_group_bytes(w, lay, net.backend)
     # Shard dim: S consecutive ranks; replicate dim: R ranks S apart; groups: G ranks K apart.
     bw_s, lat_s = net.tier(s)
     bw_r, lat_r = net.tier(r, stride=s)
     bw_g, lat_g = net.tier(g, stride=lay.group_size)
     intra = (
         _collective_s(b["allgather"], s, bw_s, lat_s, int(round(w.allgathers)))
-        + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 1)
+        + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 2 if net.backend == "gloo" else 1)
         + _collective_s(b["replicate_allreduce"], r, bw_r, lat_r, 2)
     ) * (1.0 - w.overlap)
     ring_steps = 2 if w.compression == "none" else 1  # all-reduce vs all-gather

@@ -22,11 +22,15 @@ EVAL_PPL = "eval_ppl"
 EVAL_LOSS = "eval_loss"
 LR = "lr"
 ROUND_S = "round_s"
-COMPUTE_S = "compute_s"
+COMPUTE_S = (
+    "compute_s"  # the round's inner steps, wall clock (their intra-group collectives included)
+)
 OUTER_SYNC_S = "outer_sync_s"
 OUTER_SYNC_BYTES = "outer_sync_bytes"
 OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
-INTRA_BYTES = "intra_bytes_per_rank"  # per round, FSDP/HSDP collectives inside the group
+INTRA_BYTES = "intra_bytes_per_rank"  # per round: what FSDP/HSDP's collectives sent (intra_comm)
+INTRA_COMM_S = "intra_comm_s"  # per round: time in them (CPU: blocked, a part of compute_s)
+INTRA_COMM = "intra_comm"  # per round: {allgather, reduce_scatter, replicate_allreduce}: calls, ...
 INTER_BYTE_SHARE = "inter_byte_share"  # outer sync bytes / all bytes a rank sends
 LOCAL_STEPS = "local_steps"  # T of this round (varies with --adaptive-t)
 

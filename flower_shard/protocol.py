@@ -36,11 +36,14 @@ NUM_TOKENS = "num-tokens"  # the aggregation weight: tokens the group processed 
 TRAIN_LOSS = "train-loss"
 EVAL_LOSS = "eval-loss"
 COMPUTE_S = "compute-s"
+INTRA_BYTES = "intra-bytes"  # what the group's FSDP/HSDP collectives sent per rank this round
+INTRA_COMM_S = "intra-comm-s"  # the time in them (flower_shard.intra_comm)
 GROUP_ROUND_S = "group-round-s"
 SYNC_S = "sync-s"
 SYNC_BYTES = "sync-bytes"
 CHECKPOINT_S = "checkpoint-s"
 STEP = "step"
+CLIENTAPP_PID = "clientapp-pid"  # the process that served the message (one per node when warm)
 
 # -- run config (pyproject [tool.flwr.app.config]) -------------------------------------------
 NUM_SERVER_ROUNDS = "num-server-rounds"

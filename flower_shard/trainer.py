@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flower_shard import checkpoint as C
+from flower_shard import intra_comm
 from flower_shard import metrics as M
 from flower_shard.adaptive import AdaptiveT
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.costmodel import Layout, Workload, intra_group_bytes
 from flower_shard.data import CorpusInfo, eval_shard, rank_batches
 from flower_shard.distributed import init_distributed, shutdown
-from flower_shard.models import build_model, count_parameters, is_meta, materialize
+from flower_shard.models import build_model, is_meta, materialize
 from flower_shard.outer_sync import OuterSync
 from flower_shard.parallelize import parallelize
 from flower_shard.schedule import warmup_cosine
@@ -111,6 +111,8 @@ class GroupTrainer:
 
         self.model = build_model(cfg.model, self.corpus.vocab_size, cfg.seed, cfg.seq_len)
         parallelize(self.model, self.topology.sharding_mesh(self.mesh), bf16=cfg.bf16)
+        # The intra-group tier's bytes and time, counted on FSDP's own collectives.
+        self.intra = intra_comm.install(self.model, cfg.replicate, self.device)
         if is_meta(self.model):
             materialize(self.model, self.device, cfg.seed)
         self.optimizer = torch.optim.AdamW(
@@ -161,18 +163,6 @@ class GroupTrainer:
         self.on_step = None
         """Called with the step after each inner step (rank 0 of ``flower-shard train``: the
         progress bar)."""
-        # Accounting of the intra-group tier: FSDP's collectives have fixed sizes, so the bytes
-        # a rank sends per step follow from the model (flower_shard.costmodel); the outer sync
-        # is measured as it runs.
-        lay = Layout(self.world, 1 if group_index is not None else cfg.groups, cfg.replicate)
-        work = Workload(
-            params=count_parameters(self.model),
-            compute_s=0.0,
-            tokens_per_step=0,
-            param_bytes=2 if cfg.bf16 else 4,
-            grad_bytes=4,
-        )
-        self.intra_step_bytes = sum(intra_group_bytes(work, lay).values())
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -266,8 +256,10 @@ class GroupTrainer:
             M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
             M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
             M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
-            M.INTRA_BYTES: self.intra_step_bytes * n,
-            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, self.intra_step_bytes * n),
+            M.INTRA_BYTES: steps["intra_bytes"],
+            M.INTRA_COMM_S: steps["intra_s"],
+            M.INTRA_COMM: steps["intra"],
+            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, steps["intra_bytes"]),
             M.LOCAL_STEPS: n,
         }
 
@@ -299,6 +291,7 @@ class GroupTrainer:
         loss_sum = torch.zeros((), device=self.device)
         clock = torch.zeros(1, dtype=torch.float64, device=self.device)
         done = 0
+        self.intra.take()  # what evaluation or loading gathered is not this round's steps
         while done < n:
             if seconds is not None and progress is not None:
                 # The position at this step's start sets the LR of the next step (one step of
@@ -320,7 +313,16 @@ class GroupTrainer:
         tokens = done * cfg.batch_size * cfg.seq_len * self.world
         self.tokens += tokens
         loss = dist_sum(loss_sum, self.device) / (done * self.world)
-        return {"loss": loss, "steps": done, "tokens": tokens, "seconds": elapsed}
+        intra = self.intra.take()
+        return {
+            "loss": loss,
+            "steps": done,
+            "tokens": tokens,
+            "seconds": elapsed,
+            "intra": intra,
+            "intra_bytes": sum(k["bytes"] for k in intra.values()),
+            "intra_s": sum(k["seconds"] for k in intra.values()),
+        }
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One inner AdamW step on this rank's batch; returns the (detached) loss."""

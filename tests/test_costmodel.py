@@ -75,6 +75,36 @@ def test_times_by_hand_and_c_total():
     assert fl.inter_byte_share == pytest.approx(fl.inter_bytes / (fl.inter_bytes + 9000))
 
 
+def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    # gloo runs a reduce-scatter as an all-reduce: 2 x 3/4 x 4000 B instead of 3/4 x 4000 B.
+    b = intra_group_bytes(w, Layout(world=8, groups=2), backend="gloo")
+    assert b["reduce_scatter"] == 6000.0 and b["allgather"] == 6000.0
+    # Two sites of 4 ranks joined by a 100 B/s link per site, everything else free.
+    net = Network(
+        ranks_per_node=4,
+        nodes_per_site=1,
+        intra_node_bw=1e12,
+        inter_site_bw=100.0,
+        intra_node_lat=0,
+        inter_site_lat=0,
+    )
+    # HSDP R = 2 across the sites, S = 4 inside: 4 all-reduces of 1000 B shards leave each site
+    # at once and share its link: 4 x (2 x 1/2 x 1000 B) / 100 B/s.
+    hsdp = predict(w, Layout(world=8, groups=1, replicate=2), net)
+    assert hsdp.intra_s == pytest.approx(4 * 1000 / 100.0, rel=1e-6)
+    # The outer sync of G = 2 site-groups: K = 4 rings of 1000 B shards share the link; T = 2.
+    fl = predict(w, Layout(world=8, groups=2, local_steps=2), net)
+    assert fl.inter_s == pytest.approx(4 * 1000 / 100.0 / 2)
+    # FSDP over all 8 ranks: one ring, one crossing per direction, the link to itself.
+    fsdp = predict(w, Layout(world=8), net)
+    assert fsdp.intra_s == pytest.approx((2 * 7 / 8 * 4000 + 7 / 8 * 4000) / 100.0)
+    per_rank = Network(**{**net.__dict__, "site_link_shared": False})
+    assert predict(w, Layout(world=8, groups=1, replicate=2), per_rank).intra_s == pytest.approx(
+        hsdp.intra_s / 4
+    )
+
+
 def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
     w = Workload(params=10**8, compute_s=0.5, tokens_per_step=4096)
     net = Network(ranks_per_node=4, nodes_per_site=2, inter_site_bw=0.1 * GB)
@@ -85,8 +115,26 @@ def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
         predict(w, Layout(world=10, groups=3), net)
 
 
-def test_outer_sync_bytes_match_a_real_run(tmp_path):
-    """The bytes the runtime reports for its outer sync are what the cost model predicts."""
+def _fsdp_payloads(model, s: int) -> list[tuple[int, int, int]]:
+    """Per FSDP unit of ``parallelize`` (each decoder layer, then the root with the rest): its
+    all-gather input, its reduce-scatter input (float32 bytes, dim 0 padded to a multiple of
+    S as FSDP2 does) and its all-gathers per step: two (forward, backward), one for the last
+    layer, which is kept from forward to backward."""
+    layers = list(model.model.layers)
+    units = [(layer, 1 if i == len(layers) - 1 else 2) for i, layer in enumerate(layers)]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_layers]
+    out = []
+    for params, gathers in [(list(u.parameters()), g) for u, g in units] + [(root, 2)]:
+        shard = sum(-(-p.shape[0] // s) * (p.numel() // p.shape[0]) * 4 for p in params)
+        out.append((shard, shard * s, gathers))
+    return out
+
+
+def test_byte_counts_match_a_real_run(tmp_path):
+    """The intra-group bytes counted on FSDP's collectives in a real run are exactly what the
+    model's shapes give, their reduce-scatter part is the cost model's, and the outer sync's
+    bytes are what the cost model predicts."""
     out = tmp_path / "run"
     train_cli(
         out,
@@ -113,6 +161,38 @@ def test_outer_sync_bytes_match_a_real_run(tmp_path):
     # FSDP2 pads uneven shards; the runtime sends each rank's real shard, so the model's
     # P/S is exact up to the rounding of the split (a few elements per tensor).
     assert record[M.OUTER_SYNC_BYTES] == pytest.approx(outer_sync_bytes(w, lay), rel=0.01)
-    assert record["intra_bytes_per_rank"] == pytest.approx(
-        record[M.STEP] * sum(intra_group_bytes(w, lay).values())
+    # Exact, from the shapes: S = 2, gloo (a reduce-scatter is an all-reduce: 2 x 1/2).
+    units = _fsdp_payloads(build_model("tiny"), 2)
+    steps = record[M.STEP]
+    comm = record[M.INTRA_COMM]
+    assert comm["allgather"]["calls"] == steps * sum(g for _, _, g in units)
+    assert comm["allgather"]["bytes"] == steps * sum(g * (2 - 1) * a for a, _, g in units)
+    assert comm["reduce_scatter"]["calls"] == steps * len(units)
+    assert comm["reduce_scatter"]["bytes"] == steps * sum(2 * 1 / 2 * r for _, r, _ in units)
+    assert comm["replicate_allreduce"]["calls"] == 0
+    assert record[M.INTRA_BYTES] == comm["allgather"]["bytes"] + comm["reduce_scatter"]["bytes"]
+    assert 0 < record[M.INTRA_COMM_S] < record[M.COMPUTE_S]
+    # The cost model's reduce-scatter is the same up to FSDP2's padding of dim 0.
+    model = intra_group_bytes(w, lay, backend="gloo")
+    assert comm["reduce_scatter"]["bytes"] == pytest.approx(steps * model["reduce_scatter"], 0.01)
+
+
+def test_hsdp_replicate_allreduce_is_counted_in_a_real_run(tmp_path):
+    """HSDP, K = 4 = R 2 x S 2: after each reduce-scatter over S, FSDP2 all-reduces the
+    gradient shard over R; its bytes are 2 (R-1)/R of the shard, once per unit per step."""
+    out = tmp_path / "run"
+    train_cli(
+        out,
+        *("--groups", "1", "--nproc-per-group", "4", "--sharding", "hsdp", "--replicate", "2"),
+        *("--local-steps", "2", "--rounds", "1", "--seq-len", "32", "--batch-size", "2"),
+        *("--eval-every", "0", "--quiet"),
     )
+    (record,) = M.read_metrics(out)
+    units = _fsdp_payloads(build_model("tiny"), 2)
+    comm, steps = record[M.INTRA_COMM], record[M.STEP]
+    assert comm["allgather"]["bytes"] == steps * sum(g * a for a, _, g in units)
+    assert comm["reduce_scatter"]["bytes"] == steps * sum(r for _, r, _ in units)
+    shard_bytes = [r // 2 for _, r, _ in units]  # the reduce-scatter's output over S = 2
+    assert comm["replicate_allreduce"]["calls"] == steps * len(units)
+    assert comm["replicate_allreduce"]["bytes"] == steps * sum(2 * 1 / 2 * b for b in shard_bytes)
+    assert comm["replicate_allreduce"]["seconds"] > 0

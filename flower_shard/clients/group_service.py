@@ -314,6 +314,8 @@ class GroupWorker:
             P.NUM_TOKENS: steps["tokens"],
             P.TRAIN_LOSS: steps["loss"],
             P.COMPUTE_S: steps["seconds"],
+            P.INTRA_BYTES: steps["intra_bytes"],
+            P.INTRA_COMM_S: steps["intra_s"],
             P.STEP: t.step,
             "lr": t.scheduler.get_last_lr()[0],
         }

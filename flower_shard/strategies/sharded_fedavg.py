@@ -398,6 +398,8 @@ class ShardedFedAvg(FedAvg):
             M.LR: float(np.mean([g.get("lr", 0.0) for g in groups])) if groups else 0.0,
             M.ROUND_S: round_s,
             M.COMPUTE_S: max((g.get(P.COMPUTE_S, 0.0) for g in groups), default=0.0),
+            M.INTRA_BYTES: max((g.get(P.INTRA_BYTES, 0.0) for g in groups), default=0.0),
+            M.INTRA_COMM_S: max((g.get(P.INTRA_COMM_S, 0.0) for g in groups), default=0.0),
             M.OUTER_SYNC_S: self._round.get("server_s", 0.0)
             if flower
             else max((g.get(P.SYNC_S, 0.0) for g in groups), default=0.0),
