@@ -84,6 +84,14 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per link, Gbit/s")
     p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per link, Gbit/s")
     p.add_argument("--inter-site-gbps", type=float, default=10.0, help="per link, Gbit/s")
+    p.add_argument(
+        "--site-link",
+        choices=("shared", "per-rank"),
+        default="shared",
+        help="shared: one link per site, split by every ring that leaves it at once (a WAN "
+        "link; what bench/multitier.py emulates and validates); per-rank: each GPU has its "
+        "own inter-site path at --inter-site-gbps",
+    )
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--bf16", action="store_true", help="bf16 all-gathers and gradients")
@@ -137,6 +145,7 @@ def plan_from_args(args: argparse.Namespace) -> int:
         intra_node_bw=args.intra_node_gbps * 1e9 / 8,
         inter_node_bw=args.inter_node_gbps * 1e9 / 8,
         inter_site_bw=args.inter_site_gbps * 1e9 / 8,
+        site_link_shared=args.site_link == "shared",
     )
     cands = candidates(w, net, args.gpus, max_local_steps=args.max_local_steps)
     print(
