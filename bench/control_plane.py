@@ -1,9 +1,11 @@
-"""Control-plane overhead per Flower round on loopback: Flower's stock SuperNode poll vs ours.
+"""Control-plane overhead per Flower round on loopback: stock Flower vs flower-shard's nodes.
 
-Side by side, same deployment shape (SuperLink + 2 nodes of 2 ranks), tiny model, T=2: the
-overhead of a round is its wall time minus the slowest group's own time for the round (load,
-T steps, gather) and minus server-side evaluation. Rounds after the first (which builds the
-groups' models) are counted.
+Three sides: Flower's stock SuperNode (3 s idle poll, a fresh ClientApp process per message);
+the short poll alone; the short poll with the warm ClientApp process (the default of
+`flower-shard node`). Side by side, same deployment shape (SuperLink + 2 nodes of 2 ranks),
+tiny model, T=2: the overhead of a round is its wall time minus the slowest group's own time
+for the round (load, T steps, gather) and minus server-side evaluation. Rounds after the
+first (which builds the groups' models) are counted.
 
     .venv/bin/python bench/control_plane.py [--rounds 6 --repeats 2]
 """
@@ -21,13 +23,20 @@ from flower_shard.metrics import read_metrics
 from flower_shard.processes import free_port
 
 HERE = Path(__file__).parent
-SIDES = {"stock poll (3 s)": 3.0, "flower-shard poll (0.1 s)": 0.1}
+SIDES = {  # name: (SuperNode idle poll, warm ClientApp)
+    "stock Flower (3 s poll, process per message)": (3.0, False),
+    "0.1 s poll, process per message": (0.1, False),
+    "0.1 s poll, warm ClientApp (default)": (0.1, True),
+}
 
 
-def one_run(poll: float, rounds: int) -> list[float]:
+def one_run(side: tuple[float, bool], rounds: int) -> list[float]:
+    poll, warm = side
     with (
         tempfile.TemporaryDirectory() as work,
-        LocalDeployment(work, num_nodes=2, nproc_per_group=2, poll_interval=poll) as dep,
+        LocalDeployment(
+            work, num_nodes=2, nproc_per_group=2, poll_interval=poll, warm_clientapp=warm
+        ) as dep,
     ):
         out = Path(work, "out")
         dep.run(
@@ -63,14 +72,14 @@ def main() -> None:
         name: {"min": min(v), "median": statistics.median(v), "max": max(v), "samples": v}
         for name, v in samples.items()
     }
-    stock, ours = (report[n]["median"] for n in SIDES)
+    stock, ours = (report[n]["median"] for n in (list(SIDES)[0], list(SIDES)[-1]))
     report["median_ratio_stock_over_ours"] = stock / ours
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for name in SIDES:
         r = report[name]
         print(
-            f"{name:28s} overhead per round: min {r['min']:.2f} s, median {r['median']:.2f} s, "
+            f"{name:46s} overhead per round: min {r['min']:.2f} s, median {r['median']:.2f} s, "
             f"max {r['max']:.2f} s"
         )
     print(f"stock / ours (median): {stock / ours:.2f}x")

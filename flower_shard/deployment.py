@@ -72,6 +72,7 @@ class LocalDeployment:
         log: Callable[[str], None] | None = None,
         fault_files: list[str | None] | None = None,
         poll_interval: float = 0.1,
+        warm_clientapp: bool = True,
         tls: bool = False,
         supernode_auth: bool = False,
     ):
@@ -93,7 +94,7 @@ class LocalDeployment:
         """Each node's group size."""
         self.log = log or (lambda _msg: None)
         self.fault_files = fault_files or [None] * num_nodes
-        self.poll_interval = poll_interval
+        self.poll_interval, self.warm_clientapp = poll_interval, warm_clientapp
         self.port = free_port()
         self.superlink: ManagedProcess | None = None
         self.nodes: list[Node] = []
@@ -224,6 +225,7 @@ class LocalDeployment:
             "superlink": self.address,
             "nproc_per_group": self.nproc_per_group[0],
             "poll_interval": self.poll_interval,
+            "warm_clientapp": self.warm_clientapp,
             "root_certificates": self.ca_cert,
         } | overrides
         return NodeConfig(**settings)

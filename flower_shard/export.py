@@ -5,8 +5,8 @@
 - ``flower-shard train --out RUN_DIR``: ``config.json`` (the TrainConfig that ran) and
   ``final_model.safetensors`` (written by rank 0 when the run finishes);
 - a Flower run's ``out-dir``: ``summary.json`` (the ServerApp records ``model``, ``tokenizer``
-  and ``seq_len`` there) and ``final_model.safetensors`` (flower transport only: with the
-  collective transport the global model never leaves the groups).
+  and ``seq_len`` there) and ``final_model.safetensors`` (with the collective transport the
+  ServerApp fetches it once from a group at the end of the run).
 
 ``DIR`` then loads with ``AutoModelForCausalLM.from_pretrained(DIR)``, and with
 ``AutoTokenizer.from_pretrained(DIR)`` when the run used a Hugging Face tokenizer. A byte-level

@@ -1,10 +1,15 @@
-"""``flower-supernode`` with a short idle poll: a round need not wait for Flower's 3 s sleeps.
+"""``flower-supernode`` with a short idle poll and a warm ClientApp process.
 
-Flower 1.42's SuperNode sleeps 3 s after every pull that found no message (and 0.5 s while it
-waits for a reply), so each round of a deployment pays up to ~3.5 s of pure waiting on top of
-the training. This entry point runs the stock SuperNode with those sleeps capped at
-``FLOWER_SHARD_SUPERNODE_POLL`` seconds (default 0.1). The cost is more pull requests to the
-SuperLink (10 per second per idle node at 0.1 s): set 3 to get Flower's own behaviour.
+Two costs of a Flower 1.42 round that are not training, removed here:
+
+- The SuperNode sleeps 3 s after every pull that found no message (and 0.5 s while it waits
+  for a reply): up to ~3.5 s of pure waiting per round. This entry point runs the stock
+  SuperNode with those sleeps capped at ``FLOWER_SHARD_SUPERNODE_POLL`` seconds (default 0.1).
+  The cost is more pull requests to the SuperLink (10 per second per idle node at 0.1 s): set
+  3 to get Flower's own behaviour.
+- The SuperExec it spawns starts a fresh ClientApp process per message (seconds of imports).
+  Here it spawns ``flower_shard.warm_superexec`` instead, with the same arguments, which runs
+  every ClientApp task in one warm process. ``FLOWER_SHARD_WARM_CLIENTAPP=0`` keeps Flower's.
 
     python -m flower_shard.fast_supernode [flower-supernode arguments]
 """
@@ -12,10 +17,26 @@ SuperLink (10 per second per idle node at 0.1 s): set 3 to get Flower's own beha
 from __future__ import annotations
 
 import os
+import subprocess as _subprocess
 import sys
 import time as _time
 
 POLL_ENV = "FLOWER_SHARD_SUPERNODE_POLL"
+WARM_ENV = "FLOWER_SHARD_WARM_CLIENTAPP"
+"""0: Flower's own process-per-message ClientApp; anything else: one warm process."""
+
+
+class _WarmSuperExec:
+    """The ``subprocess`` module, with ``flower-superexec`` swapped for the warm one."""
+
+    def __getattr__(self, name):
+        return getattr(_subprocess, name)
+
+    @staticmethod
+    def Popen(command, *args, **kwargs):  # noqa: N802 - the name being replaced
+        if command and command[0] == "flower-superexec":
+            command = [sys.executable, "-m", "flower_shard.warm_superexec", *command[1:]]
+        return _subprocess.Popen(command, *args, **kwargs)
 
 
 class _CappedSleep:
@@ -36,6 +57,8 @@ def main() -> int:
     from flwr.supernode.cli import flower_supernode
 
     loop.time = _CappedSleep(float(os.environ.get(POLL_ENV, "0.1")))
+    if os.environ.get(WARM_ENV, "1") != "0":
+        loop.subprocess = _WarmSuperExec()
     sys.argv[0] = "flower-supernode"
     return flower_supernode()
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cryptography import x509
 
+from flower_shard import fast_supernode
 from flower_shard import protocol as P
 from flower_shard.certificates import load_supernode_private_key, load_supernode_public_key
 from flower_shard.config import ConfigError, check_data
@@ -58,6 +59,10 @@ class NodeConfig:
     """Debug: the group writes its weights at each stage of each round here."""
     poll_interval: float = 0.1
     """The SuperNode's idle poll in seconds (Flower's own is 3 s; see fast_supernode)."""
+    warm_clientapp: bool = True
+    """Serve every message from one long-lived ClientApp process (flower_shard.warm_superexec)
+    instead of Flower's fresh process per message, which costs seconds of start-up per round.
+    False: Flower's own process isolation between messages."""
     fault_file: str | None = None
     """Fault injection: the group spoils its replies as this file says (tests, drills)."""
     ready_timeout: float = 180.0
@@ -309,7 +314,8 @@ class Node:
             # public key is derived from the private one.
             cmd += ["--auth-supernode-private-key", cfg.auth_private_key]
         env = env_with_bin()
-        env["FLOWER_SHARD_SUPERNODE_POLL"] = str(cfg.poll_interval)
+        env[fast_supernode.POLL_ENV] = str(cfg.poll_interval)
+        env[fast_supernode.WARM_ENV] = "1" if cfg.warm_clientapp else "0"
         self.supernode = ManagedProcess(
             "supernode", cmd, self.work_dir / "supernode.log", env, cwd=self.work_dir
         )
@@ -455,6 +461,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="the SuperNode's idle poll in seconds (Flower's own: 3)",
     )
     parser.add_argument(
+        "--no-warm-clientapp",
+        dest="warm_clientapp",
+        action="store_false",
+        help="start a fresh ClientApp process per message (Flower's own; seconds per round)",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         default=d.max_restarts,
@@ -478,5 +490,6 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         dump_dir=args.dump_dir,
         fault_file=args.fault_file,
         poll_interval=args.poll_interval,
+        warm_clientapp=args.warm_clientapp,
         max_restarts=args.max_restarts,
     )

@@ -2,7 +2,8 @@
 
 Outputs in ``out-dir``: ``metrics.jsonl`` (one line per round, the group runtime's fields plus
 ``groups_ok``, ``groups_rejected``, ``rejected``, ``exchange_bytes``, ``round_s``,
-``control_overhead_s``), ``final_model.safetensors`` (flower transport), ``summary.json``
+``control_overhead_s``), ``final_model.safetensors`` (collective transport: fetched from a
+group at the end), ``summary.json``
 (status ``ok`` or ``failed`` with the reason: ``flwr run`` itself exits 0 either way; on success
 also ``model``, ``tokenizer`` and ``seq_len``, which ``flower-shard export`` reads).
 """
@@ -197,10 +198,14 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         resumed=resumed,
     )
     logger.close()
-    if fed.transport == "flower":
-        from safetensors.numpy import save_file
+    from safetensors.numpy import save_file
 
-        save_file({k: v.numpy() for k, v in result.arrays.items()}, str(out / FINAL_MODEL))
+    if fed.transport == "flower":
+        final = {k: v.numpy() for k, v in result.arrays.items()}
+    else:  # the groups hold the model: fetch it once from one of them
+        final = strategy.final_weights(grid) if strategy.history else None
+    if final is not None:
+        save_file(final, str(out / FINAL_MODEL))
     summary = {
         "status": "ok",
         "rounds": len(strategy.history),

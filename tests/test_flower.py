@@ -81,6 +81,11 @@ def test_flower_transport_groups_hold_the_exact_global_model(deployment, tmp_pat
         **{"outer-optimizer": "nesterov", P.TENSORBOARD: True},
     )
     assert [r["groups_ok"] for r in rounds] == [2, 2]
+    # Each node served every message from one warm ClientApp process, and it is still up.
+    pids = [[g["clientapp_pid"] for g in r["groups"]] for r in rounds]
+    assert pids[0] == pids[1] and len(set(pids[0])) == 2, pids
+    for pid in pids[0]:
+        assert b"flower_shard.warm_superexec" in Path(f"/proc/{pid}/cmdline").read_bytes()
     assert_tensorboard_is_metrics(tmp_path)  # the ServerApp's rounds, as TensorBoard scalars
     assert all(r["exchange_bytes"] > 0 and r["eval_ppl"] > 0 for r in rounds)
 
@@ -250,7 +255,10 @@ def test_collective_transport_averages_shards_without_flower(deployment, tmp_pat
         for k in trained[0]:
             mean = (trained[0][k] + trained[1][k]) / np.float32(2)
             assert np.array_equal(synced[0][k], mean) and np.array_equal(synced[1][k], mean), k
-    assert not (tmp_path / "final_model.safetensors").exists()
+    # The final model, fetched from a group at the end (one QUERY message), is the last sync.
+    final = load_file(tmp_path / "final_model.safetensors")
+    assert sorted(final) == sorted(synced[0])
+    assert all(np.array_equal(final[k], synced[0][k]) for k in final)
 
 
 def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployment, tmp_path):
@@ -349,8 +357,13 @@ def test_node_stopped_with_sigterm_leaves_no_process(deployment, tmp_path):
     try:
         line = proc.stdout.readline()
         assert "flower-shard node: group of 2" in line, line
+        # A round through this node first: what serves its messages must go too.
+        rounds = run(deployment, tmp_path / "out", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 3})
+        assert rounds[0]["groups_ok"] == 3
         tree = descendants(proc.pid)
-        assert len(tree) >= 4  # torchrun, 2 ranks, flower-supernode (and its SuperExec)
+        assert len(tree) >= 5  # torchrun, 2 ranks, flower-supernode, its warm SuperExec
+        served = {g["clientapp_pid"] for g in rounds[0]["groups"]}
+        assert served & set(tree), (served, tree)  # this node's ClientApp process is in it
         # The group's control socket is private to this user.
         assert (tmp_path / "node").stat().st_mode & 0o077 == 0
         proc.send_signal(signal.SIGTERM)

@@ -1,12 +1,15 @@
 """The ClientApp: converts Flower Messages to calls on the node's long-lived group, and back.
 
-Deliberately thin (and free of torch: Flower starts a fresh process for every message). The
+Deliberately thin, and free of torch: stock Flower starts a fresh process for every message
+(flower-shard's nodes run it in one warm process, see ``flower_shard.warm_superexec``). The
 group's address comes from the node config key ``group-address`` (set by ``flower-shard
 node``). If the group does not answer, the handler raises with a clear reason, which Flower
 returns to the server as an error reply.
 """
 
 from __future__ import annotations
+
+import os
 
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -48,7 +51,8 @@ def _forward(method: str, msg: Message, context: Context) -> Message:
         header, out = group.call(method, {"config": config}, arrays)
     finally:
         group.close()
-    content = RecordDict({P.METRICS: MetricRecord(header["metrics"])})
+    metrics = header.get("metrics", {}) | {P.CLIENTAPP_PID: os.getpid()}
+    content = RecordDict({P.METRICS: MetricRecord(metrics)})
     if out:
         content[P.ARRAYS] = ArrayRecord({k: Array(v) for k, v in out.items()})
     return Message(content=content, reply_to=msg)
@@ -64,3 +68,9 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Held-out loss of the group's model (after loading the sent weights, if any)."""
     return _forward(P.EVALUATE, msg, context)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """The group's full weights (the collective transport's final model)."""
+    return _forward(P.GET_WEIGHTS, msg, context)

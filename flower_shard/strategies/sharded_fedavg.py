@@ -423,6 +423,7 @@ class ShardedFedAvg(FedAvg):
                         "steps": int(g.get(P.ROUND_STEPS, 0)),
                         "tokens": int(g[P.NUM_TOKENS]),
                         "compute_s": float(g.get(P.COMPUTE_S, 0.0)),
+                        "clientapp_pid": int(g.get(P.CLIENTAPP_PID, 0)),
                     }
                     for g in groups
                 ),
@@ -450,6 +451,29 @@ class ShardedFedAvg(FedAvg):
             loss = float(np.mean(losses)) if losses else None
         self._round["eval_s"] = time.perf_counter() - start
         return loss
+
+    def final_weights(self, grid: Grid) -> dict[str, np.ndarray] | None:
+        """Collective transport: the model the groups hold after the last sync, fetched once
+        from one live group (all hold the same average) with a QUERY message; checked like a
+        training reply. None, with the reason logged, if no group delivers valid weights."""
+        live = [n for n in sorted(grid.get_node_ids()) if n not in self.dropped]
+        for node in live:
+            msg = Message(
+                content=RecordDict({P.CONFIG: ConfigRecord({P.RUN_ID: grid.run.run_id})}),
+                message_type=MessageType.QUERY,
+                dst_node_id=node,
+            )
+            replies = self.send_and_receive(grid, [msg], self.fed.round_timeout)
+            if not replies or replies[0].has_error() or P.ARRAYS not in replies[0].content:
+                why = replies[0].error.reason if replies and replies[0].has_error() else "none"
+                log(WARNING, "final weights: node %s gave no weights (%s)", node, why)
+                continue
+            arrays = {k: v.numpy() for k, v in replies[0].content[P.ARRAYS].items()}
+            reason = check_arrays(arrays, self.expected)
+            if reason is None:
+                return arrays
+            log(WARNING, "final weights: node %s: %s", node, reason)
+        return None
 
     # -- messaging ---------------------------------------------------------------------------
 
