@@ -13,6 +13,7 @@ import numpy as np
 
 # -- records inside a Flower Message -----------------------------------------------------------
 ARRAYS = "arrays"
+PACKED = "packed"  # flower transport: every weight in one flat float32 Array, names sorted
 CONFIG = "config"
 METRICS = "metrics"
 

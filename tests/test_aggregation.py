@@ -10,7 +10,9 @@ from flower_shard.strategies.aggregation import (
     check_weight,
     describe,
     norm_outliers,
+    pack,
     trimmed_mean,
+    unpack,
     update_norms,
     weighted_mean,
 )
@@ -32,6 +34,21 @@ def test_check_arrays_names_each_problem():
     assert "dtype" in check_arrays(model(1.0) | {"b": np.zeros(4, np.float64)}, expected)
     assert check_weight(0) and check_weight(float("nan")) and check_weight("3")
     assert check_weight(128) is None
+
+
+def test_packed_weights_round_trip_bit_exactly_and_name_each_problem():
+    m = {"b": np.arange(4, dtype=np.float32) / 3, "a": np.random.default_rng(0).random((2, 3))}
+    m["a"] = m["a"].astype(np.float32)
+    expected = describe(m)
+    flat = pack(m)
+    assert flat.dtype == np.float32 and flat.shape == (10,)
+    assert np.array_equal(flat[:6], m["a"].reshape(-1))  # sorted names: a, then b
+    reason, back = unpack({"packed": flat}, expected)
+    assert reason is None and all(np.array_equal(back[k], m[k]) for k in m)
+    assert "missing" in unpack({}, expected)[0]
+    assert "unexpected" in unpack({"packed": flat, "x": flat}, expected)[0]
+    assert "shape" in unpack({"packed": flat[:-1]}, expected)[0]
+    assert "dtype" in unpack({"packed": flat.astype(np.float64)}, expected)[0]
 
 
 def test_weighted_mean_is_exact_in_float64():

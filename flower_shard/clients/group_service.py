@@ -43,7 +43,7 @@ from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.data import prepare_for
 from flower_shard.distributed import init_distributed
 from flower_shard.outer_sync import OuterSync
-from flower_shard.strategies.aggregation import flatten
+from flower_shard.strategies.aggregation import flatten, pack, unpack
 
 RUN_FILE = "run.json"  # in a group's checkpoint folder: the settings of the run it belongs to
 IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
@@ -289,7 +289,7 @@ class GroupWorker:
         config = command["config"]
         self.ensure_run(config)
         if command.get("has_arrays"):
-            self.load_weights(arrays)
+            arrays = self.load_weights(arrays)
             # Flower transport with compression: the reply is the delta from these weights.
             self._global = arrays if self.trainer.cfg.compression != "none" else None
             self.dump(config, "loaded")
@@ -336,6 +336,8 @@ class GroupWorker:
             arrays = inject_fault(self.fault_file, rnd, arrays, only=VALUE_FAULTS)
             if t.cfg.compression != "none" and arrays:
                 arrays = self.compressed_update(arrays)
+            elif arrays:  # rank 0: the wire format of the flower transport
+                arrays = {P.PACKED: pack(arrays)}
             arrays = inject_fault(self.fault_file, rnd, arrays, only=FORMAT_FAULTS)
         rnd = int(config[P.SERVER_ROUND])
         if t.cfg.checkpoint_due(rnd):
@@ -391,9 +393,16 @@ class GroupWorker:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, arrays: dict[str, np.ndarray]) -> None:
-        """Load full float32 arrays (present on rank 0 only) into the sharded model."""
+    def load_weights(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Load full float32 arrays (present on rank 0 only) into the sharded model: named, or
+        ``packed`` (one flat vector in sorted-name order, cut by this model's own shapes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if P.PACKED in arrays:
+            shapes = self.trainer.model.state_dict()
+            reason, arrays = unpack(arrays, {k: (tuple(v.shape), "") for k, v in shapes.items()})
+            if reason:
+                raise ValueError(f"the server's weights do not fit this group's model: {reason}")
 
         state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
         if self.device.type == "cuda":
@@ -403,6 +412,7 @@ class GroupWorker:
             state if self.rank == 0 else {},
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
+        return arrays
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """The full weights, gathered to rank 0 (empty elsewhere), as float32 numpy arrays."""

@@ -18,6 +18,37 @@ def describe(arrays: Arrays) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(v.shape), str(v.dtype)) for k, v in arrays.items()}
 
 
+def pack(arrays: Arrays) -> np.ndarray:
+    """Every array, flattened and concatenated in sorted-name order, as one float32 vector.
+
+    The flower transport's wire format: one Array per message instead of one per tensor, so
+    Flower's per-object costs (a request and a hash at every hop) are paid a few times per
+    message, not hundreds."""
+    return np.concatenate(
+        [np.ascontiguousarray(arrays[k], dtype=np.float32).reshape(-1) for k in sorted(arrays)]
+    )
+
+
+def unpack(
+    arrays: Arrays, expected: Mapping[str, tuple[tuple[int, ...], str]]
+) -> tuple[str | None, dict[str, np.ndarray]]:
+    """(why a packed reply cannot be used, {}) or (None, its named arrays): exactly one
+    1-D float32 array named ``packed`` holding every expected value, cut in sorted order."""
+    from flower_shard.protocol import PACKED
+
+    if PACKED not in arrays:
+        return f"missing arrays [{PACKED!r}]", {}
+    if len(arrays) > 1:
+        return f"unexpected arrays {sorted(set(arrays) - {PACKED})[:3]}", {}
+    flat = arrays[PACKED]
+    numel = sum(int(np.prod(shape)) for shape, _ in expected.values())
+    if flat.ndim != 1 or flat.size != numel:
+        return f"wrong shape: packed weights {tuple(flat.shape)}, expected ({numel},)", {}
+    if flat.dtype != np.float32:
+        return f"packed weights have dtype {flat.dtype}, expected float32", {}
+    return None, unflatten_flat(flat, expected, sorted(expected))
+
+
 def check_arrays(arrays: Arrays, expected: Mapping[str, tuple[tuple[int, ...], str]]) -> str | None:
     """Why a group's weights cannot be used, or None if they can.
 

@@ -31,9 +31,11 @@ from flower_shard.strategies.aggregation import (
     describe,
     flatten,
     norm_outliers,
+    pack,
     trimmed_mean,
     unflatten,
     unflatten_flat,
+    unpack,
     update_norms,
     weighted_mean,
 )
@@ -93,6 +95,9 @@ class ShardedFedAvg(FedAvg):
         # Collective: the groups that died are left out, and the live ones form this round's
         # cross-group process group (their data parts stay where they were).
         live = [n for n in node_ids if n not in self.dropped]
+        if self.fed.transport == "flower":  # one flat Array on the wire (aggregation.pack)
+            flat = pack({k: v.numpy() for k, v in arrays.items()})
+            arrays = ArrayRecord({P.PACKED: Array(flat)})
         messages = []
         for index, node in enumerate(node_ids):
             if node not in live:
@@ -208,7 +213,8 @@ class ShardedFedAvg(FedAvg):
             except Exception as exc:  # a malformed Array fails to decode
                 return f"undecodable arrays: {exc}", {}
             if self._compression == "none":
-                reason = check_arrays(arrays, self.expected)
+                reason, arrays = unpack(arrays, self.expected)
+                reason = reason or check_arrays(arrays, self.expected)
                 if reason:
                     return reason, {}
                 parsed["arrays"] = arrays
