@@ -1,11 +1,12 @@
 """Control-plane overhead per Flower round on loopback: stock Flower vs flower-shard's nodes.
 
-Three sides: Flower's stock SuperNode (3 s idle poll, a fresh ClientApp process per message);
-the short poll alone; the short poll with the warm ClientApp process (the default of
-`flower-shard node`). Side by side, same deployment shape (SuperLink + 2 nodes of 2 ranks),
-tiny model, T=2: the overhead of a round is its wall time minus the slowest group's own time
-for the round (load, T steps, gather) and minus server-side evaluation. Rounds after the
-first (which builds the groups' models) are counted.
+Three sides: stock Flower (3 s idle poll, a fresh ClientApp process per message, object pulls
+retried after 1 s); the short poll alone; everything flower-shard's nodes do by default (short
+poll, warm ClientApp process, pulls retried after 50 ms; flower_shard/fast_supernode.py).
+Side by side, same deployment shape (SuperLink + 2 nodes of 2 ranks), tiny model, T=2: the
+overhead of a round is its wall time minus the slowest group's own time for the round (load,
+T steps, gather) and minus server-side evaluation. Rounds after the first (which builds the
+groups' models) are counted.
 
     .venv/bin/python bench/control_plane.py [--rounds 6 --repeats 2]
 """
@@ -14,24 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from flower_shard.deployment import LocalDeployment
+from flower_shard.fast_supernode import PULL_ENV
 from flower_shard.metrics import read_metrics
 from flower_shard.processes import free_port
 
 HERE = Path(__file__).parent
-SIDES = {  # name: (SuperNode idle poll, warm ClientApp)
-    "stock Flower (3 s poll, process per message)": (3.0, False),
-    "0.1 s poll, process per message": (0.1, False),
-    "0.1 s poll, warm ClientApp (default)": (0.1, True),
+SIDES = {  # name: (SuperNode idle poll, warm ClientApp, first retry of a missing object)
+    "stock Flower (3 s poll, process/msg, 1 s retry)": (3.0, False, 1.0),
+    "0.1 s poll, process per message, 1 s retry": (0.1, False, 1.0),
+    "flower-shard (0.1 s poll, warm, 50 ms retry)": (0.1, True, 0.05),
 }
 
 
-def one_run(side: tuple[float, bool], rounds: int) -> list[float]:
-    poll, warm = side
+def one_run(side: tuple[float, bool, float], rounds: int) -> list[float]:
+    poll, warm, retry = side
+    os.environ[PULL_ENV] = str(retry)  # the SuperLink, the ServerApp and the nodes inherit it
     with (
         tempfile.TemporaryDirectory() as work,
         LocalDeployment(

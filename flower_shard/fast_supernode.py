@@ -7,6 +7,11 @@ Two costs of a Flower 1.42 round that are not training, removed here:
   SuperNode with those sleeps capped at ``FLOWER_SHARD_SUPERNODE_POLL`` seconds (default 0.1).
   The cost is more pull requests to the SuperLink (10 per second per idle node at 0.1 s): set
   3 to get Flower's own behaviour.
+- Every hop that pulls a message's objects (SuperNode from SuperLink, ClientApp from
+  SuperNode, ServerApp from SuperLink) retries an object that is not there yet after 1 s, then
+  2, 4, ... 10 s. A message is announced before its objects have arrived (the SuperNode stores
+  it, then pulls its objects), so a pull that starts a few milliseconds early waits 1-3 s.
+  :func:`fast_object_pulls` starts the retries at 50 ms (cap 1 s) in each process it runs in.
 - The SuperExec it spawns starts a fresh ClientApp process per message (seconds of imports).
   Here it spawns ``flower_shard.warm_superexec`` instead, with the same arguments, which runs
   every ClientApp task in one warm process. ``FLOWER_SHARD_WARM_CLIENTAPP=0`` keeps Flower's.
@@ -22,8 +27,20 @@ import sys
 import time as _time
 
 POLL_ENV = "FLOWER_SHARD_SUPERNODE_POLL"
+PULL_ENV = "FLOWER_SHARD_PULL_BACKOFF"
 WARM_ENV = "FLOWER_SHARD_WARM_CLIENTAPP"
 """0: Flower's own process-per-message ClientApp; anything else: one warm process."""
+
+
+def fast_object_pulls() -> None:
+    """Retry a missing object after ``FLOWER_SHARD_PULL_BACKOFF`` seconds (default 0.05),
+    doubling up to 1 s; a value of 1 or more gives Flower's own (1 s, doubling up to 10 s)."""
+    from flwr.supercore.inflatable import inflatable_utils
+
+    first = float(os.environ.get(PULL_ENV, "0.05"))
+    cap = 10.0 if first >= 1 else 1.0
+    for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        pull.__kwdefaults__.update(initial_backoff=first, backoff_cap=cap)
 
 
 class _WarmSuperExec:
@@ -57,6 +74,7 @@ def main() -> int:
     from flwr.supernode.cli import flower_supernode
 
     loop.time = _CappedSleep(float(os.environ.get(POLL_ENV, "0.1")))
+    fast_object_pulls()
     if os.environ.get(WARM_ENV, "1") != "0":
         loop.subprocess = _WarmSuperExec()
     sys.argv[0] = "flower-supernode"

@@ -133,6 +133,9 @@ def main() -> int:
     import flwr.supercore.superexec.run_superexec as superexec
     from flwr.supercore.cli.flower_superexec import flower_superexec
 
+    from flower_shard.fast_supernode import fast_object_pulls
+
+    fast_object_pulls()  # the ClientApp's pulls from the SuperNode
     executor = WarmClientAppExecutor()
     # run_superexec looks its executor up through this module-level name.
     superexec.get_executor = lambda *args, **kwargs: executor
