@@ -29,11 +29,24 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
+# wait_for SECONDS WHAT CMD...: poll CMD until it succeeds; give up with a message after SECONDS.
+wait_for() {
+  local limit=$1 what=$2 start=$SECONDS
+  shift 2
+  until "$@"; do
+    if ((SECONDS - start > limit)); then
+      echo "local_deployment: $what not ready after ${limit} s; logs in $WORK" >&2
+      tail -n 20 "$WORK"/*.log >&2 || true
+      exit 1
+    fi
+    sleep 0.5
+  done
+}
 
 flower-superlink --insecure --disable-runtime-dependency-installation --port 8000 \
   > "$WORK/superlink.log" 2>&1 &
 PIDS+=($!)
-until curl -sf http://127.0.0.1:8000/health > /dev/null; do sleep 0.5; done
+wait_for 60 "the SuperLink" curl -sf -o /dev/null http://127.0.0.1:8000/health
 
 for i in 0 1; do
   flower-shard node --superlink 127.0.0.1:8000 --nproc-per-group 2 --work-dir "$WORK/node$i" \
@@ -41,9 +54,11 @@ for i in 0 1; do
   PIDS+=($!)
 done
 for i in 0 1; do
-  until grep -q "flower-shard node: group" "$WORK/node$i.log"; do sleep 0.5; done
+  wait_for 300 "node $i" grep -q "flower-shard node: group" "$WORK/node$i.log"
 done
 
+# The ServerApp writes summary.json when the run ends: never read one from an earlier run.
+rm -f runs/local/summary.json
 flwr run . local-deployment --run-config "out-dir='$(pwd)/runs/local' min-groups=2 ${1:-}"
-until [ -f runs/local/summary.json ]; do sleep 1; done
+wait_for 3600 "the run's summary" test -f runs/local/summary.json
 cat runs/local/summary.json
