@@ -146,18 +146,28 @@ def ring_fraction(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def sent_bytes(kind: str, payload: float, n: int, backend: str = "nccl") -> float:
+    """Bytes one rank sends in one collective over ``n`` ranks whose ``payload`` is the
+    all-gather's input, the reduce-scatter's input or the all-reduce's tensor, in bytes.
+
+    A ring all-gather sends (n-1) x the input; a reduce-scatter (n-1)/n of it on NCCL, and
+    2 (n-1)/n on gloo, which runs it as an all-reduce and keeps a chunk
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); an all-reduce 2 (n-1)/n."""
+    if kind == "allgather":
+        return (n - 1) * payload
+    if kind == "reduce_scatter":
+        return (2 if backend == "gloo" else 1) * ring_fraction(n) * payload
+    return 2 * ring_fraction(n) * payload
+
+
 def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[str, float]:
     """Bytes each rank sends inside its group in one step, per collective (the names of
     :mod:`flower_shard.intra_comm`, which counts them in a real run)."""
     s, r = lay.shard, lay.replicate
-    shard_bytes = w.params * w.grad_bytes / s
     return {
-        "allgather": w.allgathers * ring_fraction(s) * w.params * w.param_bytes,
-        "reduce_scatter": (2 if backend == "gloo" else 1)
-        * ring_fraction(s)
-        * w.params
-        * w.grad_bytes,
-        "replicate_allreduce": 2 * ring_fraction(r) * shard_bytes,
+        "allgather": w.allgathers * sent_bytes("allgather", w.params * w.param_bytes / s, s),
+        "reduce_scatter": sent_bytes("reduce_scatter", w.params * w.grad_bytes, s, backend),
+        "replicate_allreduce": sent_bytes("allreduce", w.params * w.grad_bytes / s, r),
     }
 
 

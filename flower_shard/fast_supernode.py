@@ -1,6 +1,6 @@
 """``flower-supernode`` with a short idle poll and a warm ClientApp process.
 
-Two costs of a Flower 1.42 round that are not training, removed here:
+Three costs of a Flower 1.42 round that are not training, removed here:
 
 - The SuperNode sleeps 3 s after every pull that found no message (and 0.5 s while it waits
   for a reply): up to ~3.5 s of pure waiting per round. This entry point runs the stock

@@ -9,10 +9,9 @@ shards across replicas is not replaceable; FSDP2 calls the module's all-reduce h
 it, so the hook closes its timing and the size of the reduce-scatter's output gives its bytes.
 
 Bytes are what one rank sends, derived from the payloads FSDP2 really moved (padding, mixed
-precision, modules gathered once or twice per step included) and the algorithm of the backend:
-a ring all-gather sends (n-1) x the input; a reduce-scatter sends (n-1)/n of the input on NCCL
-(ring) but 2 (n-1)/n on gloo, which runs it as an all-reduce followed by a local copy
-(``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); an all-reduce sends 2 (r-1)/r.
+precision, modules gathered once or twice per step included) and the algorithm of the backend,
+by the cost model's own :func:`flower_shard.costmodel.sent_bytes` (gloo runs a reduce-scatter
+as an all-reduce: twice a ring's bytes).
 
 Time: on CPU (gloo) the collectives block the rank, so the time is spent waiting in them (part
 of the step time). On CUDA they run on FSDP's communication streams, overlapped with compute;
@@ -30,19 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from flower_shard.costmodel import sent_bytes
+
 KINDS = ("allgather", "reduce_scatter", "replicate_allreduce")
-
-
-def sent_bytes(kind: str, payload: int, n: int, backend: str) -> float:
-    """Bytes one rank sends in one collective over ``n`` ranks whose ``payload`` is the
-    all-gather's input, the reduce-scatter's input or the all-reduce's tensor, in bytes."""
-    if n <= 1:
-        return 0.0
-    if kind == "allgather":
-        return (n - 1) * payload
-    if kind == "reduce_scatter":
-        return (2 if backend == "gloo" else 1) * (n - 1) / n * payload
-    return 2 * (n - 1) / n * payload
 
 
 @dataclass
@@ -55,7 +44,7 @@ class IntraCommStats:
     bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     seconds: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     _events: list = field(default_factory=list)
-    _open_allreduce: object = None
+    _open_allreduce: tuple | None = None
 
     def start(self):
         if self.cuda:
@@ -73,6 +62,17 @@ class IntraCommStats:
             self._events.append((kind, started, ev))
         else:
             self.seconds[kind] += time.perf_counter() - started
+
+    def open_allreduce(self, payload: int) -> None:
+        """HSDP: FSDP2 all-reduces ``payload`` bytes over the replicas next; timed until
+        :meth:`close_allreduce`, which FSDP2 calls through the module's all-reduce hook."""
+        self._open_allreduce = (self.start(), payload)
+
+    def close_allreduce(self, replicate: int) -> None:
+        if self._open_allreduce is not None:
+            started, payload = self._open_allreduce
+            self._open_allreduce = None
+            self.stop("replicate_allreduce", started, payload, replicate)
 
     def take(self) -> dict:
         """``{kind: {"calls", "bytes", "seconds"}}`` since the last call, and reset."""
@@ -127,10 +127,7 @@ class _CountedReduceScatter:
         payload = input_tensor.numel() * input_tensor.element_size()
         self.stats.stop("reduce_scatter", started, payload, group.size())
         if self.replicate > 1:  # HSDP's all-reduce of this output follows; the hook closes it
-            self.stats._open_allreduce = (
-                self.stats.start(),
-                output_tensor.numel() * output_tensor.element_size(),
-            )
+            self.stats.open_allreduce(output_tensor.numel() * output_tensor.element_size())
         return None
 
 
@@ -140,10 +137,7 @@ def install(model: nn.Module, replicate: int, device: torch.device) -> IntraComm
     stats = IntraCommStats(backend=backend, cuda=device.type == "cuda")
 
     def after_allreduce(_reduce_output: torch.Tensor) -> None:
-        if stats._open_allreduce is not None:
-            started, payload = stats._open_allreduce
-            stats._open_allreduce = None
-            stats.stop("replicate_allreduce", started, payload, replicate)
+        stats.close_allreduce(replicate)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -22,9 +22,7 @@ EVAL_PPL = "eval_ppl"
 EVAL_LOSS = "eval_loss"
 LR = "lr"
 ROUND_S = "round_s"
-COMPUTE_S = (
-    "compute_s"  # the round's inner steps, wall clock (their intra-group collectives included)
-)
+COMPUTE_S = "compute_s"  # the inner steps' wall clock, their intra-group collectives included
 OUTER_SYNC_S = "outer_sync_s"
 OUTER_SYNC_BYTES = "outer_sync_bytes"
 OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
