@@ -14,7 +14,8 @@ Three costs of a Flower 1.42 round that are not training, removed here:
   :func:`fast_object_pulls` starts the retries at 50 ms (cap 1 s) in each process it runs in.
 - The SuperExec it spawns starts a fresh ClientApp process per message (seconds of imports).
   Here it spawns ``flower_shard.warm_superexec`` instead, with the same arguments, which runs
-  every ClientApp task in one warm process. ``FLOWER_SHARD_WARM_CLIENTAPP=0`` keeps Flower's.
+  every ClientApp task in one warm process, and starts it again should it die.
+  ``FLOWER_SHARD_WARM_CLIENTAPP=0`` keeps Flower's.
 
     python -m flower_shard.fast_supernode [flower-supernode arguments]
 """
@@ -22,8 +23,10 @@ Three costs of a Flower 1.42 round that are not training, removed here:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess as _subprocess
 import sys
+import threading
 import time as _time
 
 POLL_ENV = "FLOWER_SHARD_SUPERNODE_POLL"
@@ -44,16 +47,56 @@ def fast_object_pulls() -> None:
 
 
 class _WarmSuperExec:
-    """The ``subprocess`` module, with ``flower-superexec`` swapped for the warm one."""
+    """The ``subprocess`` module, with ``flower-superexec`` swapped for the warm one.
+
+    The SuperNode starts its SuperExec once and never looks at it again: if it died, the node
+    would stay connected and never run a task. Here a watcher starts it again, logged, for as
+    long as the SuperNode lives; one that keeps dying at start-up (``CRASH_LOOP`` times within
+    ``EARLY_EXIT_S`` of starting) stops the SuperNode instead, so that ``flower-shard node``
+    sees the node die and says why.
+    """
+
+    EARLY_EXIT_S = 10.0
+    CRASH_LOOP = 3
 
     def __getattr__(self, name):
         return getattr(_subprocess, name)
 
-    @staticmethod
-    def Popen(command, *args, **kwargs):  # noqa: N802 - the name being replaced
-        if command and command[0] == "flower-superexec":
-            command = [sys.executable, "-m", "flower_shard.warm_superexec", *command[1:]]
-        return _subprocess.Popen(command, *args, **kwargs)
+    @classmethod
+    def Popen(cls, command, *args, **kwargs):  # noqa: N802 - the name being replaced
+        if not (command and command[0] == "flower-superexec"):
+            return _subprocess.Popen(command, *args, **kwargs)
+        command = [sys.executable, "-m", "flower_shard.warm_superexec", *command[1:]]
+        proc = _subprocess.Popen(command, *args, **kwargs)
+        threading.Thread(target=cls._watch, args=(proc, command, args, kwargs), daemon=True).start()
+        return proc
+
+    @classmethod
+    def _watch(cls, proc, command, args, kwargs) -> None:
+        early = 0
+        started = _time.monotonic()
+        while True:
+            code = proc.wait()
+            early = early + 1 if _time.monotonic() - started < cls.EARLY_EXIT_S else 0
+            if early >= cls.CRASH_LOOP:
+                print(
+                    f"flower-shard supernode: the SuperExec exited with {code} within "
+                    f"{cls.EARLY_EXIT_S:.0f} s of starting, {early} times in a row (see its "
+                    "error above): stopping this SuperNode",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            print(
+                f"flower-shard supernode: the SuperExec (pid {proc.pid}) exited with {code}: "
+                "starting a new one",
+                file=sys.stderr,
+                flush=True,
+            )
+            _time.sleep(0.5 * early)
+            started = _time.monotonic()
+            proc = _subprocess.Popen(command, *args, **kwargs)
 
 
 class _CappedSleep:

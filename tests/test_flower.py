@@ -8,6 +8,7 @@ weights that really moved, with references computed here with numpy / plain torc
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -375,6 +376,46 @@ def test_node_stopped_with_sigterm_leaves_no_process(deployment, tmp_path):
     while any(running(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in tree if running(p)], "processes left behind"
+
+
+REFUSED_TASK = """
+import sys
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec.executor.types import ExecutionSpec
+from flower_shard.warm_superexec import WarmClientAppExecutor
+
+spec = ExecutionSpec(
+    task_type=TaskType.CLIENT_APP, runtime_api_address=sys.argv[1], token="not-a-task-token",
+    insecure=True, root_certificates_path=None, runtime_dependency_install=False,
+    parent_pid=None, suppress_output=False, task_id=1,
+)
+WarmClientAppExecutor()._run_task(spec)
+print("still serving")
+"""
+
+
+def test_warm_clientapp_outlives_a_refused_task_and_is_restarted_if_it_dies(deployment, tmp_path):
+    # A task whose token the SuperNode refuses (expired, or its run stopped): Flower's own
+    # client would SIGINT the process, taking every later task of the node down with it.
+    node = deployment.nodes[0]
+    refused = subprocess.run(
+        [sys.executable, "-c", REFUSED_TASK, f"127.0.0.1:{node.port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 0 and "still serving" in refused.stdout, refused.stderr[-2000:]
+    assert "ClientApp task 1 failed" in refused.stderr
+
+    # The warm process itself killed: the node starts another and serves the next run.
+    before = run(deployment, tmp_path / "a", **{P.NUM_SERVER_ROUNDS: 1})
+    pids = {g["group"]: g["clientapp_pid"] for g in before[0]["groups"]}
+    os.kill(pids[0], signal.SIGKILL)
+    after = run(deployment, tmp_path / "b", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 2})
+    assert after[0]["groups_ok"] == 2
+    new = {g["group"]: g["clientapp_pid"] for g in after[0]["groups"]}
+    assert new[0] != pids[0] and new[1] == pids[1], (pids, new)
+    assert b"flower_shard.warm_superexec" in Path(f"/proc/{new[0]}/cmdline").read_bytes()
 
 
 def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
