@@ -623,6 +623,12 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
     return out
 
 
+def _cell(value, fmt: str, unit: str = "") -> str:
+    """``value`` formatted, or a dash as wide where a figure is missing (no eval in time)."""
+    width = int(fmt.split(".")[0]) + len(unit)
+    return f"{value:{fmt}}{unit}" if value is not None else f"{'-':>{width}s}"
+
+
 def print_table(results: dict) -> None:
     print(
         f"\n{'rate':>9s} {'config':24s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
@@ -632,17 +638,17 @@ def print_table(results: dict) -> None:
         for name, e in entries.items():
             pred = e.get("predicted_speedup")
             frac = e.get("fraction_of_isolated")
-            pt = e["ppl_at_baseline_time"]["median"]
-            print(
-                f"{float(rate):7g}Mb {name:24s} {e['tokens_per_s']['median']:8.0f} "
-                f"{e['speedup_vs_baseline']['median']:8.2f}x "
-                f"{(f'{pred:8.2f}x' if pred else '        -')} "
-                f"{100 * e['exchange_share']['median']:7.1f}% "
-                f"{100 * e['inter_byte_share']['median']:7.1f}% "
-                f"{(f'{100 * frac:7.0f}%' if frac else '       -')} "
-                f"{e['ppl_equal_tokens']['median']:8.2f} "
-                f"{(f'{pt:8.2f}' if pt else '       -')}"
-            )
+            cells = [
+                _cell(e["tokens_per_s"]["median"], "8.0f"),
+                _cell(e["speedup_vs_baseline"]["median"], "8.2f", "x"),
+                _cell(pred, "8.2f", "x"),
+                _cell(100 * e["exchange_share"]["median"], "7.1f", "%"),
+                _cell(100 * e["inter_byte_share"]["median"], "7.1f", "%"),
+                _cell(None if frac is None else 100 * frac, "7.0f", "%"),
+                _cell(e["ppl_equal_tokens"]["median"], "8.2f"),
+                _cell(e["ppl_at_baseline_time"]["median"], "8.2f"),
+            ]
+            print(f"{float(rate):7g}Mb {name:24s} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
   + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter; twice that on gloo,
                                                   which runs it as an all-reduce)
   + 2 (R-1)/R x P/S x grad_bytes                 (HSDP: all-reduce of the shards across replicas)
-- between groups, per round: 2 (G-1)/G x P/S x 4 (one flat float32 all-reduce of the shards),
-  so per step C_inter / T; compressed (bf16, int8: flower_shard.compression), a ring
-  all-gather of the payloads instead, (G-1) x P/S x bytes per value (2, or 1 + 4 / chunk).
+- between groups, per round: 2 (G-1)/G x P/(S R) x 4 (one flat float32 all-reduce of the
+  shards, striped over a group's R HSDP replicas, which then all-gather the stripes inside the
+  group: (R-1)/R x P/S x 4 more intra-group bytes per round), so per step C_inter / T;
+  compressed (bf16, int8: flower_shard.compression), a ring all-gather of the payloads
+  instead, not striped, (G-1) x P/S x bytes per value (2, or 1 + 4 / chunk).
 
 Times: a collective runs at the bandwidth of the slowest tier its ranks span (intra-node,
 inter-node, inter-site), plus a latency term per ring step. A site's link is shared: when a
@@ -172,11 +174,20 @@ def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[s
 
 
 def outer_sync_bytes(w: Workload, lay: Layout) -> float:
-    """Bytes each rank sends in one outer sync: float32 shards in a ring all-reduce over G, or
-    compressed shards in a ring all-gather (every group needs every payload to decode)."""
+    """Bytes each rank sends to other groups in one outer sync: its 1/R stripe of the float32
+    shards in a ring all-reduce over G, or compressed shards in a ring all-gather (every group
+    needs every payload to decode; not striped)."""
     if w.compression == "none":
-        return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.shard
+        return 2 * ring_fraction(lay.groups) * w.params * 4 / (lay.shard * lay.replicate)
     return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard
+
+
+def outer_stripe_gather_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes each rank sends inside its group in one outer sync: the all-gather of the averaged
+    stripes among the R replicas (none for FSDP, compressed syncs or G = 1)."""
+    if lay.groups == 1 or w.compression != "none":
+        return 0.0
+    return sent_bytes("allgather", w.params * 4 / (lay.shard * lay.replicate), lay.replicate)
 
 
 def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
@@ -198,6 +209,8 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 2 if net.backend == "gloo" else 1)
         + _collective_s(b["replicate_allreduce"], r, bw_r, lat_r, 2)
     ) * (1.0 - w.overlap)
+    gather = outer_stripe_gather_bytes(w, lay)  # once a round, not overlapped
+    intra += _collective_s(gather, r, bw_r, lat_r, 1) / lay.local_steps
     ring_steps = 2 if w.compression == "none" else 1  # all-reduce vs all-gather
     inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, ring_steps) / lay.local_steps
     step = w.compute_s + intra + inter
@@ -205,7 +218,7 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         step_s=step,
         intra_s=intra,
         inter_s=inter,
-        intra_bytes=sum(b.values()),
+        intra_bytes=sum(b.values()) + gather / lay.local_steps,
         inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
         tokens_per_s=lay.world * w.tokens_per_step / step,
         extra={"bytes": b},

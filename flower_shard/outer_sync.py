@@ -134,7 +134,11 @@ class SyncStats:
     payload_bytes: int
     """Size of the flat buffer each rank contributes."""
     sent_bytes: int
-    """Bytes each rank sends in a ring all-reduce of that buffer: 2 (G-1)/G x payload."""
+    """Bytes each rank sends to other groups: 2 (G-1)/G x what it all-reduces (the payload, or
+    its 1/R stripe of it when HSDP replicas stripe the exchange)."""
+    replicate_bytes: int = 0
+    """Bytes each rank sends to its own group's replicas (the striped exchange's all-gather:
+    (R-1) x stripe), which stay inside the group."""
 
 
 class OuterSync:
@@ -156,6 +160,14 @@ class OuterSync:
     all-gather sends (G-1) x payload per rank, against 2 (G-1)/G x 4 bytes per value for the
     float32 all-reduce: int8 moves 4x less for G = 2 and wins up to G = 8.
 
+    HSDP (``replicate_pg``, the R replicas of this rank's shard inside its group, which hold
+    it bit-identically): without care all R replicas would send the same shard to the other
+    groups, R x the bytes across the slow tier. Instead the exchange is striped: replica r
+    all-reduces only the r-th 1/R of the flat buffer across groups, then the replicas
+    all-gather the averaged stripes over the fast intra-group tier, and every replica runs the
+    same outer step on the same mean. A group's inter-group traffic drops from R x |model| to
+    |model|, spread over all of its R x S ranks. (Compressed syncs are not striped.)
+
     On failure: a dead or hung peer makes the all-reduce raise after the process group's
     timeout; the exception propagates and the round is lost (the weights are untouched until
     the all-reduce has returned).
@@ -173,10 +185,13 @@ class OuterSync:
         compression: str = "none",
         chunk: int = 2048,
         error_feedback: bool = True,
+        replicate_pg=None,
     ):
         self.params = [local_view(p) for p in model.parameters()]
         self.optimizer = optimizer
         self.group_pg = group_pg
+        striped = replicate_pg is not None and replicate_pg.size() > 1
+        self.replicate_pg = replicate_pg if striped else None
         self.sync_optimizer_state = sync_optimizer_state
         self.param_numel = sum(t.numel() for t in self.params)
         self.compression, self.chunk = compression, chunk
@@ -222,7 +237,11 @@ class OuterSync:
         scale = None if shares is None else shares[pg.rank()]
         if scale is not None:
             flat.mul_(scale)
-        pg.allreduce([flat]).wait()  # SUM
+        if self.replicate_pg is None:
+            pg.allreduce([flat]).wait()  # SUM
+            reduced, replicate_bytes = flat.numel(), 0
+        else:
+            reduced, replicate_bytes = self._striped_allreduce(pg, flat)
         if scale is None:
             flat.div_(groups)
         new_weights = self.outer.step(flat[: self.param_numel])
@@ -235,8 +254,30 @@ class OuterSync:
         return SyncStats(
             seconds=time.perf_counter() - start,
             payload_bytes=payload,
-            sent_bytes=2 * (groups - 1) * payload // groups,
+            sent_bytes=2 * (groups - 1) * reduced * flat.element_size() // groups,
+            replicate_bytes=replicate_bytes,
         )
+
+    def _striped_allreduce(self, pg, flat: torch.Tensor) -> tuple[int, int]:
+        """SUM-all-reduce ``flat`` across groups in place, this replica doing its 1/R stripe
+        (zero-padded to equal stripes) and the replicas all-gathering the rest. Returns the
+        values this rank all-reduced and the bytes it sent to its replicas."""
+        r, replicas = self.replicate_pg.rank(), self.replicate_pg.size()
+        stripe = -(-flat.numel() // replicas)
+        padded = flat.new_zeros(stripe * replicas)
+        padded[: flat.numel()] = flat
+        mine = padded[r * stripe : (r + 1) * stripe].clone()
+        failed = None
+        try:
+            pg.allreduce([mine]).wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            failed = exc  # still join the all-gather: the other replicas would hang in it
+        stripes = list(padded.split(stripe))
+        self.replicate_pg.allgather([stripes], [mine]).wait()
+        if failed is not None:
+            raise failed
+        flat.copy_(padded[: flat.numel()])
+        return stripe, (replicas - 1) * stripe * flat.element_size()
 
     @staticmethod
     def _shares(pg, weight: float, device) -> list[float] | None:

@@ -93,6 +93,13 @@ class Topology:
             return mesh["replicate", "shard"]
         return mesh["shard"]
 
+    def replicate_group(self, mesh):
+        """HSDP: the process group of this rank's replicas inside its group (they hold the same
+        shard); None for FSDP or R = 1."""
+        if self.sharding == "hsdp" and self.replicate > 1:
+            return mesh.get_group("replicate")
+        return None
+
     def describe(self) -> str:
         dims = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         return f"N={self.world_size} {self.sharding.upper()} mesh ({dims})"

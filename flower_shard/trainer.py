@@ -148,6 +148,7 @@ class GroupTrainer:
                 compression=cfg.compression,
                 chunk=cfg.compression_chunk,
                 error_feedback=cfg.error_feedback,
+                replicate_pg=self.topology.replicate_group(self.mesh),
             )
         self.step = 0
         self.round = 0
@@ -244,6 +245,8 @@ class GroupTrainer:
         stats = self.outer.sync() if self.outer else None
         round_s = time.perf_counter() - start
         self.round += 1
+        # HSDP's striped exchange ends with an all-gather among a group's replicas: intra-group.
+        intra_bytes = steps["intra_bytes"] + (stats.replicate_bytes if stats else 0)
         return {
             M.ROUND: self.round,
             M.STEP: self.step,
@@ -256,10 +259,10 @@ class GroupTrainer:
             M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
             M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
             M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
-            M.INTRA_BYTES: steps["intra_bytes"],
+            M.INTRA_BYTES: intra_bytes,
             M.INTRA_COMM_S: steps["intra_s"],
             M.INTRA_COMM: steps["intra"],
-            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, steps["intra_bytes"]),
+            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, intra_bytes),
             M.LOCAL_STEPS: n,
         }
 

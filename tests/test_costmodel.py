@@ -12,6 +12,7 @@ from flower_shard.costmodel import (
     Workload,
     intra_group_bytes,
     llama_params,
+    outer_stripe_gather_bytes,
     outer_sync_bytes,
     predict,
     speedup,
@@ -37,6 +38,13 @@ def test_bytes_by_hand():
     # Outer sync over G = 2 of a 1000 B shard (P/S x 4 B): 2 x 1/2 x 1000.
     assert outer_sync_bytes(w, Layout(world=8, groups=2)) == 1000.0
     assert outer_sync_bytes(w, Layout(world=8, groups=1)) == 0.0
+    # HSDP R = 2 x S = 2: each replica all-reduces one half (1000 B) of its 2000 B shard
+    # across groups, then sends its averaged half to the other replica (1/2 x 2000 B).
+    hsdp = Layout(world=8, groups=2, replicate=2)
+    assert outer_sync_bytes(w, hsdp) == 2 * 1 / 2 * 1000
+    assert outer_stripe_gather_bytes(w, hsdp) == 1 / 2 * 2000
+    assert outer_stripe_gather_bytes(w, Layout(world=8, groups=1, replicate=2)) == 0.0
+    assert outer_stripe_gather_bytes(w, Layout(world=8, groups=2)) == 0.0  # R = 1
     # Compressed: a ring all-gather of (G-1) payloads of P/S values. int8 with chunks of 100:
     # 1 byte per value + one 4-byte scale per 100 values; bf16: 2 bytes per value.
     int8 = Workload(
@@ -73,6 +81,11 @@ def test_times_by_hand_and_c_total():
         fsdp.step_s / fl.step_s
     )
     assert fl.inter_byte_share == pytest.approx(fl.inter_bytes / (fl.inter_bytes + 9000))
+    # FL+HSDP, groups = nodes, R = 2 x S = 2: 8000 B a step inside the node; once a round,
+    # 1000 B stripes across nodes and their 1000 B all-gather back inside it.
+    fl_hsdp = predict(w, Layout(world=8, groups=2, replicate=2, local_steps=4), net)
+    assert fl_hsdp.intra_s == pytest.approx(8000 / 1000.0 + (1000 / 1000.0) / 4)
+    assert fl_hsdp.inter_s == pytest.approx((1000 / 100.0) / 4)
 
 
 def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():

@@ -57,7 +57,15 @@ def test_fedavg_sync_is_the_exact_mean(tmp_path, corpus_dir, overrides):
     params = sum(t.numel() for n, t in post.items() if not n.startswith("_") and "exp_avg" not in n)
     copies = 3 if cfg.sync_optimizer_state else 1
     s = cfg.nproc_per_group // cfg.replicate
-    assert int(post["_payload_bytes"]) <= 4 * copies * (params // s + 1024)
+    payload = int(post["_payload_bytes"])
+    assert payload <= 4 * copies * (params // s + 1024)
+    # Each rank sends its share to the other group: all of it (FSDP), or, with R HSDP
+    # replicas, one 1/R stripe, the replicas all-gathering the rest inside the group.
+    stripe = 4 * -(-payload // 4 // cfg.replicate)
+    assert int(post["_sent_bytes"]) == stripe  # 2 (G-1)/G = 1 for G = 2
+    assert int(post["_replicate_bytes"]) == (cfg.replicate - 1) * stripe
+    if cfg.replicate > 1:
+        assert post["_replicas_agree"].item() == 1.0
 
     # A model built on the meta device and materialised after sharding starts equal in all groups.
     meta = load("meta")

@@ -195,6 +195,7 @@ class GroupWorker:
                 compression=cfg.compression,
                 chunk=cfg.compression_chunk,
                 error_feedback=cfg.error_feedback,
+                replicate_pg=self.trainer.topology.replicate_group(self.trainer.mesh),
             )
         self.run_key = key
         if resume_round(config) > 0 or (cfg.checkpoint_every and int(config[P.SERVER_ROUND]) > 1):
@@ -327,6 +328,7 @@ class GroupWorker:
             if failure:  # the group lives on with its own weights; the server hears why
                 return {"error": f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
             metrics |= {P.SYNC_S: stats.seconds, P.SYNC_BYTES: stats.sent_bytes}
+            metrics[P.INTRA_BYTES] += stats.replicate_bytes  # HSDP: the replicas' all-gather
             self.dump(config, "synced")
         else:
             arrays = self.full_weights()

@@ -35,6 +35,16 @@ for r in range(cfg.rounds):
     if cfg.sync_optimizer_state:
         post |= full_moments(trainer.model, trainer.optimizer)
     post["_payload_bytes"] = torch.tensor(stats.payload_bytes)
+    post["_sent_bytes"] = torch.tensor(stats.sent_bytes)
+    post["_replicate_bytes"] = torch.tensor(stats.replicate_bytes)
+    replicas = trainer.topology.replicate_group(trainer.mesh)
+    if replicas is not None:  # HSDP: every replica of a shard holds it bit-identically
+        mine = torch.cat([p.to_local().reshape(-1) for p in trainer.model.parameters()])
+        copies = [torch.empty_like(mine) for _ in range(replicas.size())]
+        torch.distributed.all_gather(copies, mine, group=replicas)
+        agree = torch.tensor([float(all(torch.equal(c, copies[0]) for c in copies))])
+        torch.distributed.all_reduce(agree, op=torch.distributed.ReduceOp.MIN)
+        post["_replicas_agree"] = agree
     save_from_group_leader(post, f"{out}/post_r{r}_g{g}.pt", k)
 
 meta = build_model(cfg.model, trainer.corpus.vocab_size, seed=7, meta=True)
