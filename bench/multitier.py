@@ -241,6 +241,7 @@ def make_configs(
     flower: bool = False,
     compressions: tuple[str, ...] = (),
     compress_flower: bool = True,
+    fsdp: bool = True,
 ) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
@@ -251,7 +252,7 @@ def make_configs(
     compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``, unless
     ``compress_flower`` is False).
     """
-    kinds = [("fsdp", 1, 1)] + ([("hsdp", 2, 2)] if hsdp else [])
+    kinds = ([("fsdp", 1, 1)] if fsdp else []) + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
     for kind, r_base, r_fl in kinds:
         out.append(
@@ -329,6 +330,7 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         "evals": evals,
         "rounds": len(recs),
         "retries": run.get("retries", 0),
+        "wall_s": run["wall_s"],  # start-up, evaluations and the final save included
     }
 
 
@@ -395,6 +397,11 @@ def main() -> None:
         help="also HSDP vs FL+HSDP (use --ranks-per-site 4 for S >= 2)",
     )
     p.add_argument(
+        "--hsdp-only",
+        action="store_true",
+        help="only HSDP vs FL+HSDP (leave out the FSDP configurations)",
+    )
+    p.add_argument(
         "--flower",
         action="store_true",
         help="also FL+FSDP through a real Flower deployment (flower transport) across the sites",
@@ -428,6 +435,7 @@ def main() -> None:
         args.steps, args.repeats, args.seq_len = 8, 1, 32
     if not available():
         raise SystemExit("multitier: needs root and `ip netns` (network namespaces) on Linux")
+    args.hsdp = args.hsdp or args.hsdp_only
     rates = [float(r) for r in args.rates_mbit.split(",")]
     ts = [int(t) for t in args.local_steps.split(",")]
     k = args.ranks_per_site
@@ -466,6 +474,7 @@ def main() -> None:
                         args.flower,
                         compressions,
                         not args.no_flower_compression,
+                        fsdp=not args.hsdp_only,
                     )
                     if rep % 2:
                         configs.reverse()
@@ -480,7 +489,8 @@ def main() -> None:
                             f"{rate:g} Mbit/s repeat {rep + 1} {name:24s} "
                             f"{s['tokens_per_s']:8.0f} tok/s  exchange "
                             f"{100 * s['exchange_share']:5.1f}%  inter bytes "
-                            f"{100 * s['inter_byte_share']:5.1f}%  ppl {s['final_ppl']:.2f}",
+                            f"{100 * s['inter_byte_share']:5.1f}%  ppl {s['final_ppl']:.2f}  "
+                            f"wall {s['wall_s']:.0f} s",
                             flush=True,
                         )
             results["rates"][str(rate)] = aggregate(samples, params, tokens_per_step, rate, k)
@@ -501,9 +511,12 @@ def plot(results: dict, path: Path) -> None:
         print("multitier: matplotlib is not installed (pip install '.[bench]'): no plot")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    first = next(iter(results["rates"].values()))
+    kind = "fsdp" if "fsdp" in first else "hsdp"  # --hsdp-only runs have no FSDP baseline
+    base, fl_name = kind.upper(), f"FL+{kind.upper()}"
     for rate, entries in results["rates"].items():
         fl = sorted(
-            (int(n.split("=")[1]), e) for n, e in entries.items() if n.startswith("fl-fsdp T=")
+            (int(n.split("=")[1]), e) for n, e in entries.items() if n.startswith(f"fl-{kind} T=")
         )
         ts = [t for t, _ in fl]
         line = ax1.plot(
@@ -524,21 +537,21 @@ def plot(results: dict, path: Path) -> None:
             [100 * e["inter_byte_share"]["median"] for _, e in fl],
             "o-",
             color=line.get_color(),
-            label=f"FL+FSDP, {float(rate):g} Mbit/s",
+            label=f"{fl_name}, {float(rate):g} Mbit/s",
         )
         ax2.axhline(
-            100 * entries["fsdp"]["inter_byte_share"]["median"],
+            100 * entries[kind]["inter_byte_share"]["median"],
             ls=":",
             color=line.get_color(),
-            label=f"FSDP, {float(rate):g} Mbit/s",
+            label=f"{base}, {float(rate):g} Mbit/s",
         )
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (local steps per round)")
         ax.legend(fontsize=7)
-    ax1.set_ylabel("tokens/s, FL+FSDP / FSDP")
+    ax1.set_ylabel(f"tokens/s, {fl_name} / {base}")
     ax2.set_ylabel("inter-site share of bytes (%)")
-    fig.suptitle("FL+FSDP vs FSDP, 2 emulated sites")
+    fig.suptitle(f"{fl_name} vs {base}, 2 emulated sites")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"multitier: plot in {path}")
