@@ -181,12 +181,9 @@ class WarmClientAppExecutor(SubprocessExecutor):
                 reply = Message(Error(code=code, reason=details), reply_to=message)
         finally:
             try:
-                if abandoned.is_set():
-                    pass  # the SuperNode refuses this task's token: nothing more to push
-                elif reply is not None and context is not None:
-                    push_message(client, reply, context)
-                    push_task_output(client, context, status, details)
-                else:
+                if not abandoned.is_set():  # else the SuperNode refuses this task's token
+                    if reply is not None and context is not None:
+                        push_message(client, reply, context)
                     push_task_output(client, context, status, details)
             except Exception as ex:  # noqa: BLE001 - logged; the task expires upstream
                 log(logging.ERROR, "Could not push task %d's reply: %s", spec.task_id, ex)

@@ -160,3 +160,13 @@ def test_int8_sync_is_the_exact_decoded_mean_with_error_feedback(tmp_path, corpu
     # The payload is int8 plus one float32 scale per chunk of 64 values, per shard.
     numel = shard_flat(glob, names, 0, shards).numel()
     assert int(load("post_r0")[0]["_payload_bytes"]) == Z.payload_bytes("int8", numel, chunk)
+
+
+def test_a_failed_stripe_raises_on_its_replica_and_hangs_no_one(tmp_path):
+    """HSDP's striped exchange: when one replica's cross-group all-reduce fails, the other
+    replica must not wait forever in the replicas' all-gather (gloo timeout here: 30 s)."""
+    torchrun("striped_failure_check.py", 4, tmp_path, timeout=120)
+    results = [(tmp_path / f"result_{r}.txt").read_text() for r in range(4)]
+    # Ranks (group, replica): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1).
+    assert results[0] == results[2] == "ok"
+    assert results[1] == results[3] == "raised: injected: the peer group is gone"
