@@ -7,7 +7,7 @@ run continues on the new rate. Compared side by side, same model, data, seed and
 
 - ``fixed T=a`` for each T of ``--fixed`` (a small T suits the fast link, a large one the slow);
 - ``adaptive``: ``--adaptive-t`` starting at the smallest fixed T, keeping the exchange under
-  ``--exchange-share`` of each round (flower_shard/adaptive.py).
+  ``--exchange-share`` of each round (flower_shard/planning/adaptive.py).
 
 Figures per configuration (min / median / max over repeats, in alternating order): tokens/s
 over the whole run and in each phase (before and after the switch), the exchange share of
@@ -33,9 +33,9 @@ from multitier import med as spread  # noqa: E402  (the sibling benchmark's harn
 from multitier import run_config  # noqa: E402
 
 from flower_shard.config import TrainConfig  # noqa: E402
-from flower_shard.data import prepare_corpus  # noqa: E402
-from flower_shard.emulated_network import EmulatedNetwork, available  # noqa: E402
-from flower_shard.metrics import read_metrics  # noqa: E402
+from flower_shard.data.corpus import prepare_corpus  # noqa: E402
+from flower_shard.launch.emulated_network import EmulatedNetwork, available  # noqa: E402
+from flower_shard.ux.metrics import read_metrics  # noqa: E402
 
 HERE = Path(__file__).parent
 

@@ -2,7 +2,8 @@
 
 Three sides: stock Flower (3 s idle poll, a fresh ClientApp process per message, object pulls
 retried after 1 s); the short poll alone; everything flower-shard's nodes do by default (short
-poll, warm ClientApp process, pulls retried after 50 ms; flower_shard/fast_supernode.py).
+poll, warm ClientApp process, pulls retried after 50 ms;
+flower_shard/flower/node/fast_supernode.py).
 Side by side, same deployment shape (SuperLink + 2 nodes of 2 ranks), tiny model, T=2: the
 overhead of a round is its wall time minus the slowest group's own time for the round (load,
 T steps, gather) and minus server-side evaluation. Rounds after the first (which builds the
@@ -20,10 +21,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from flower_shard.deployment import LocalDeployment
-from flower_shard.fast_supernode import PULL_ENV
-from flower_shard.metrics import read_metrics
-from flower_shard.processes import free_port
+from flower_shard.flower.node.fast_supernode import PULL_ENV
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port
+from flower_shard.ux.metrics import read_metrics
 
 HERE = Path(__file__).parent
 SIDES = {  # name: (SuperNode idle poll, warm ClientApp, first retry of a missing object)

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from multitier import med as spread  # noqa: E402  (min / median / max, as the sibling bench)
 
 from flower_shard import protocol as P  # noqa: E402
-from flower_shard.deployment import LocalDeployment  # noqa: E402
-from flower_shard.metrics import read_metrics  # noqa: E402
-from flower_shard.processes import free_port  # noqa: E402
+from flower_shard.launch.deployment import LocalDeployment  # noqa: E402
+from flower_shard.launch.processes import free_port  # noqa: E402
+from flower_shard.ux.metrics import read_metrics  # noqa: E402
 
 HERE = Path(__file__).parent
 

@@ -33,14 +33,14 @@ from pathlib import Path
 
 from flower_shard import protocol as P
 from flower_shard.config import TrainConfig
-from flower_shard.costmodel import Layout, Network, Workload, outer_sync_bytes, predict
-from flower_shard.data import prepare_corpus
-from flower_shard.deployment import LocalDeployment
-from flower_shard.emulated_network import EmulatedNetwork, available
-from flower_shard.metrics import read_metrics
-from flower_shard.models import build_model, count_parameters
-from flower_shard.node import env_with_bin
-from flower_shard.processes import ManagedProcess, free_port
+from flower_shard.data.corpus import prepare_corpus
+from flower_shard.flower.node.launcher import env_with_bin
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.emulated_network import EmulatedNetwork, available
+from flower_shard.launch.processes import ManagedProcess, free_port
+from flower_shard.planning.costmodel import Layout, Network, Workload, outer_sync_bytes, predict
+from flower_shard.runtime.models import build_model, count_parameters
+from flower_shard.ux.metrics import read_metrics
 
 HERE = Path(__file__).parent
 
@@ -106,7 +106,7 @@ def run_once(
             f"--master-addr={net.addresses[0]}",
             f"--master-port={port}",
             "-m",
-            "flower_shard.trainer",
+            "flower_shard.runtime.trainer",
             str(out / "config.json"),
         ]
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))

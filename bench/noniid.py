@@ -34,14 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flower_shard.data import (
-    block_documents,
-    load_blocks,
-    load_documents,
-    partition_data,
-    prepare_corpus,
-)
-from flower_shard.metrics import EVAL_PPL, read_metrics
+from flower_shard.data.corpus import load_blocks, load_documents, prepare_corpus
+from flower_shard.data.partition import block_documents, partition_data
+from flower_shard.ux.metrics import EVAL_PPL, read_metrics
 
 HERE = Path(__file__).parent
 
@@ -71,7 +66,7 @@ def run_once(out: Path, data: Path, common: list[str], partition: str, outer: st
     out.mkdir(parents=True, exist_ok=True)
     (out / "data").unlink(missing_ok=True)
     (out / "data").symlink_to(data)  # tokenised once: the launcher finds it current and reuses it
-    cmd = [sys.executable, "-m", "flower_shard.cli", "train", "--out", str(out)]
+    cmd = [sys.executable, "-m", "flower_shard.ux.cli", "train", "--out", str(out)]
     cmd += common + partition_flags(partition) + outer_flags(outer) + ["--seed", str(seed)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from flower_shard.config import TrainConfig
-from flower_shard.data import prepare_corpus
-from flower_shard.launch import run_supervised, worker_env
+from flower_shard.data.corpus import prepare_corpus
+from flower_shard.launch.torchrun import run_supervised, worker_env
 
 HERE = Path(__file__).parent
 

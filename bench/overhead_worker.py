@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from flower_shard.config import TrainConfig
-from flower_shard.data import CorpusInfo, rank_batches
-from flower_shard.trainer import GroupTrainer, lm_loss
+from flower_shard.data.batches import rank_batches
+from flower_shard.data.corpus import CorpusInfo
+from flower_shard.runtime.trainer import GroupTrainer, lm_loss
 
 
 def peak_rss_mib() -> float:
@@ -27,8 +28,8 @@ def bare_loop(cfg: TrainConfig, data_dir: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from flower_shard.distributed import init_distributed
-    from flower_shard.models import build_model
+    from flower_shard.runtime.distributed import init_distributed
+    from flower_shard.runtime.models import build_model
 
     init_distributed("cpu")
     k = cfg.nproc_per_group

@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from flower_shard import checkpoint as C
-from flower_shard import metrics as M
 from flower_shard import protocol as P
-from flower_shard.deployment import LocalDeployment
-from flower_shard.metrics import read_metrics
-from flower_shard.processes import free_port
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port
+from flower_shard.runtime import checkpoint as C
+from flower_shard.ux import metrics as M
+from flower_shard.ux.metrics import read_metrics
 
 
 def main() -> None:

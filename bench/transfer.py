@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from flower_shard.deployment import LocalDeployment
-from flower_shard.metrics import read_metrics
-from flower_shard.processes import free_port
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port
+from flower_shard.ux.metrics import read_metrics
 
 HERE = Path(__file__).parent
 CHUNK = 1 << 20

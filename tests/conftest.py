@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from flower_shard.config import TrainConfig
-from flower_shard.data import prepare_corpus
-from flower_shard.launch import run_supervised, worker_env
+from flower_shard.data.corpus import prepare_corpus
+from flower_shard.launch.torchrun import run_supervised, worker_env
 
 DIST = Path(__file__).parent / "dist"
 
@@ -48,7 +48,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> None:
 def train_cli(out: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`flower-shard train --out OUT FLAGS...` as a user runs it; fails the test on error."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", "train", "--out", str(out), *flags],
+        [sys.executable, "-m", "flower_shard.ux.cli", "train", "--out", str(out), *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -82,7 +82,7 @@ def assert_tensorboard_is_metrics(run_dir) -> None:
     import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flower_shard import metrics as M
+    from flower_shard.ux import metrics as M
 
     rounds = M.read_metrics(run_dir)
     events = EventAccumulator(str(Path(run_dir, M.TENSORBOARD_DIR)), size_guidance={"scalars": 0})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import train_cli
 
-from flower_shard import metrics as M
-from flower_shard.adaptive import AdaptiveT, exchange_share
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.planning.adaptive import AdaptiveT, exchange_share
+from flower_shard.ux import metrics as M
 
 
 def test_ideal_t_is_the_smallest_meeting_the_target():

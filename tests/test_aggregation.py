@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flower_shard.strategies.aggregation import (
+from flower_shard.flower.server.aggregation import (
     check_arrays,
     check_weight,
     describe,

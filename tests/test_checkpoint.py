@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import flat_state, torchrun, train_cli
 
-from flower_shard import checkpoint as C
-from flower_shard import metrics as M
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.runtime import checkpoint as C
+from flower_shard.ux import metrics as M
 
 # -- the directory format -------------------------------------------------------------------------
 

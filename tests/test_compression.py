@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flower_shard import compression as Z
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.outer_sync import OuterOptimizer
+from flower_shard.runtime import compression as Z
+from flower_shard.runtime.outer_sync import OuterOptimizer
 
 
 def test_int8_matches_a_hand_computed_chunk():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.topology import Topology
+from flower_shard.runtime.topology import Topology
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_config_rejects_bad_values(kwargs, message):
 def test_cli_fails_fast_with_one_line(tmp_path, args, message):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", "train", "--out", str(out), *args],
+        [sys.executable, "-m", "flower_shard.ux.cli", "train", "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -110,7 +110,7 @@ def test_config_round_trips_through_json(tmp_path):
 )
 def test_other_commands_fail_fast_with_one_line(args, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", *args],
+        [sys.executable, "-m", "flower_shard.ux.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -126,7 +126,7 @@ def test_plan_prints_a_ranked_table_and_a_recommendation():
         [
             sys.executable,
             "-m",
-            "flower_shard.cli",
+            "flower_shard.ux.cli",
             "plan",
             "--gpus",
             "64",

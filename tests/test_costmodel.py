@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import train_cli
 
-from flower_shard import metrics as M
-from flower_shard.costmodel import (
+from flower_shard.planning.costmodel import (
     Layout,
     Network,
     Workload,
@@ -17,7 +16,8 @@ from flower_shard.costmodel import (
     predict,
     speedup,
 )
-from flower_shard.models import build_model, count_parameters
+from flower_shard.runtime.models import build_model, count_parameters
+from flower_shard.ux import metrics as M
 
 GB = 1e9
 

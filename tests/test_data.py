@@ -6,17 +6,11 @@ import numpy as np
 import pytest
 
 from flower_shard.config import ConfigError
-from flower_shard.data import (
-    BatchIterator,
-    ByteTokenizer,
-    CorpusInfo,
-    is_held_out,
-    list_documents,
-    load_blocks,
-    partition,
-    prepare_corpus,
-    rank_batches,
-)
+from flower_shard.data.batches import BatchIterator, rank_batches
+from flower_shard.data.corpus import CorpusInfo, load_blocks, prepare_corpus
+from flower_shard.data.partition import partition
+from flower_shard.data.sources import is_held_out, list_documents
+from flower_shard.data.tokenizers import ByteTokenizer
 
 
 def write_corpus(root, n_files=40, size=3000):

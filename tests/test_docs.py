@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flower_shard import docs_gen
+from flower_shard.ux import docs_gen
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"

@@ -26,12 +26,12 @@ import torch
 from conftest import flat_state
 from safetensors.numpy import load_file
 
-from flower_shard import checkpoint as C
 from flower_shard import protocol as P
-from flower_shard.clients.group_service import RUN_FILE
-from flower_shard.deployment import LocalDeployment
-from flower_shard.metrics import read_metrics
-from flower_shard.processes import free_port, marked_pids
+from flower_shard.flower.group.service import RUN_FILE
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port, marked_pids
+from flower_shard.runtime import checkpoint as C
+from flower_shard.ux.metrics import read_metrics
 
 ROUNDS = 3
 

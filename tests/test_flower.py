@@ -23,10 +23,10 @@ from conftest import assert_tensorboard_is_metrics
 from safetensors.numpy import load_file
 
 from flower_shard import protocol as P
-from flower_shard.deployment import LocalDeployment
-from flower_shard.metrics import read_metrics
-from flower_shard.models import build_model
-from flower_shard.processes import free_port
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port
+from flower_shard.runtime.models import build_model
+from flower_shard.ux.metrics import read_metrics
 
 ROUNDS, T, SEQ, BATCH, SEED = 2, 2, 32, 2, 3
 
@@ -86,7 +86,8 @@ def test_flower_transport_groups_hold_the_exact_global_model(deployment, tmp_pat
     pids = [[g["clientapp_pid"] for g in r["groups"]] for r in rounds]
     assert pids[0] == pids[1] and len(set(pids[0])) == 2, pids
     for pid in pids[0]:
-        assert b"flower_shard.warm_superexec" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"flower_shard.flower.node.warm_superexec" in cmdline
     assert_tensorboard_is_metrics(tmp_path)  # the ServerApp's rounds, as TensorBoard scalars
     assert all(r["exchange_bytes"] > 0 and r["eval_ppl"] > 0 for r in rounds)
 
@@ -124,8 +125,8 @@ def test_flower_transport_int8_deltas_with_error_feedback(deployment, tmp_path):
     """Groups send int8 pseudo-gradients (global - trained) with error feedback; the server
     applies the token-weighted mean of the decoded deltas. Rebuilt here from the dumps. Round 3
     spoils one group's weights (NaN): its payload is refused and the round goes on."""
-    from flower_shard import compression as Z
-    from flower_shard.strategies.aggregation import flatten, unflatten
+    from flower_shard.flower.server.aggregation import flatten, unflatten
+    from flower_shard.runtime import compression as Z
 
     chunk, rounds_n = 256, 3
     deployment.fault.write_text(f"{rounds_n}:nan")
@@ -268,8 +269,8 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
     # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
     ghost_dir = tmp_path / "ghost"
     ghost_dir.mkdir()
-    from flower_shard.node import bin_path
-    from flower_shard.processes import ManagedProcess
+    from flower_shard.flower.node.launcher import bin_path
+    from flower_shard.launch.processes import ManagedProcess
 
     ghost = ManagedProcess(
         "ghost",
@@ -341,7 +342,7 @@ def test_node_stopped_with_sigterm_leaves_no_process(deployment, tmp_path):
         [
             sys.executable,
             "-m",
-            "flower_shard.cli",
+            "flower_shard.ux.cli",
             "node",
             "--superlink",
             deployment.address,
@@ -382,7 +383,7 @@ REFUSED_TASK = """
 import sys
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor.types import ExecutionSpec
-from flower_shard.warm_superexec import WarmClientAppExecutor
+from flower_shard.flower.node.warm_superexec import WarmClientAppExecutor
 
 spec = ExecutionSpec(
     task_type=TaskType.CLIENT_APP, runtime_api_address=sys.argv[1], token="not-a-task-token",
@@ -415,11 +416,12 @@ def test_warm_clientapp_outlives_a_refused_task_and_is_restarted_if_it_dies(depl
     assert after[0]["groups_ok"] == 2
     new = {g["group"]: g["clientapp_pid"] for g in after[0]["groups"]}
     assert new[0] != pids[0] and new[1] == pids[1], (pids, new)
-    assert b"flower_shard.warm_superexec" in Path(f"/proc/{new[0]}/cmdline").read_bytes()
+    cmdline = Path(f"/proc/{new[0]}/cmdline").read_bytes()
+    assert b"flower_shard.flower.node.warm_superexec" in cmdline
 
 
 def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
-    from flower_shard.clients.group_client import GroupClient, GroupUnavailable
+    from flower_shard.flower.client.group_client import GroupClient, GroupUnavailable
 
     start = time.monotonic()
     with pytest.raises(GroupUnavailable, match="no flower-shard group answers"):
@@ -429,7 +431,7 @@ def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
 
 def test_bad_run_config_fails_with_one_line():
     from flower_shard.config import ConfigError
-    from flower_shard.federation import FederationConfig
+    from flower_shard.config.federation import FederationConfig
 
     for bad, message in (
         ({"transport": "carrier-pigeon"}, "transport"),
@@ -452,7 +454,7 @@ def test_bad_run_config_fails_with_one_line():
 
 
 def test_simulation_mode_drives_real_groups(tmp_path):
-    from flower_shard.simulation import simulate
+    from flower_shard.launch.simulation import simulate
 
     dump = tmp_path / "dump"
     dump.mkdir()
@@ -483,7 +485,7 @@ def test_simulation_mode_drives_real_groups(tmp_path):
 
 
 def test_node_moves_to_another_port_when_its_supernode_port_is_taken(deployment, tmp_path):
-    from flower_shard.node import Node, NodeConfig
+    from flower_shard.flower.node.launcher import Node, NodeConfig
 
     node = Node(
         NodeConfig(superlink=deployment.address, nproc_per_group=1, work_dir=str(tmp_path / "node"))

@@ -21,11 +21,13 @@ import pytest
 import torch
 from conftest import flat_state, train_cli
 
-from flower_shard import checkpoint as C
-from flower_shard import metrics as M
 from flower_shard import protocol as P
 from flower_shard.config import ConfigError
-from flower_shard.data import CorpusInfo, eval_shard, list_documents, prepare_corpus
+from flower_shard.data.batches import eval_shard
+from flower_shard.data.corpus import CorpusInfo, prepare_corpus
+from flower_shard.data.sources import list_documents
+from flower_shard.runtime import checkpoint as C
+from flower_shard.ux import metrics as M
 
 WORDS = [f"{w}{i}" for w in ("red", "blue", "green", "shard", "round", "node") for i in range(5)]
 # Small enough for seconds of CPU, large enough for 2 ranks x 2 sequences of 32 tokens.
@@ -86,7 +88,7 @@ def hf(tmp_path_factory) -> SimpleNamespace:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", *map(str, args)],
+        [sys.executable, "-m", "flower_shard.ux.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -97,8 +99,8 @@ def test_llama_config_with_tokenizer_and_jsonl_trains_and_exports(hf, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flower_shard.models import build_model
-    from flower_shard.trainer import lm_loss
+    from flower_shard.runtime.models import build_model
+    from flower_shard.runtime.trainer import lm_loss
 
     out, exported = tmp_path / "run", tmp_path / "export"
     train_cli(
@@ -143,9 +145,9 @@ def test_gpt2_checkpoint_is_loaded_sharded_per_block_and_exported(hf, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from flower_shard.export import export_pretrained
-    from flower_shard.models import build_model
-    from flower_shard.parallelize import decoder_layers
+    from flower_shard.runtime.models import build_model
+    from flower_shard.runtime.parallelize import decoder_layers
+    from flower_shard.ux.export import export_pretrained
 
     # Its blocks are found whatever their class's name: `transformer.h`, not `model.layers`.
     gpt2 = build_model(str(hf.gpt2))
@@ -236,9 +238,9 @@ def test_jsonl_records_are_documents_and_the_cache_knows_the_column(hf, tmp_path
 def test_a_node_trains_on_a_jsonl_file_with_the_run_configs_text_column(hf, tmp_path):
     """`flower-shard node --data FILE.jsonl`: its group prepares and trains on the column the
     run config's `text-column` names, as ShardedFedAvg's train message carries it."""
-    from flower_shard.clients.group_client import GroupClient
-    from flower_shard.federation import FederationConfig
-    from flower_shard.node import Node, NodeConfig
+    from flower_shard.config.federation import FederationConfig
+    from flower_shard.flower.client.group_client import GroupClient
+    from flower_shard.flower.node.launcher import Node, NodeConfig
 
     run_config = {P.TEXT_COLUMN: "upper", P.NUM_SERVER_ROUNDS: 1, P.LOCAL_STEPS: 2}
     run_config |= {"seq-len": 32, "batch-size": 2, "eval-sequences": 8}
@@ -269,7 +271,7 @@ def test_a_node_trains_on_a_jsonl_file_with_the_run_configs_text_column(hf, tmp_
 
 
 def test_node_data_is_a_directory_or_a_record_file(hf, tmp_path):
-    from flower_shard.node import NodeConfig
+    from flower_shard.flower.node.launcher import NodeConfig
 
     NodeConfig(data=str(hf.data)).validate()  # .jsonl
     NodeConfig(data=str(hf.root)).validate()  # a directory
@@ -288,8 +290,8 @@ def test_a_flower_run_dir_of_a_preset_exports(tmp_path, capsys):
     from safetensors.numpy import save_file
     from transformers import AutoModelForCausalLM
 
-    from flower_shard.cli import main
-    from flower_shard.models import build_model
+    from flower_shard.runtime.models import build_model
+    from flower_shard.ux.cli import main
 
     # What the ServerApp leaves (flower transport): float32 arrays and the summary naming the
     # model; the tiny preset's vocabulary grew to a 300-token tokenizer.

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from flower_shard.models import PRESETS, build_model, count_parameters
-from flower_shard.outer_sync import OuterOptimizer
-from flower_shard.schedule import warmup_cosine
+from flower_shard.runtime.models import PRESETS, build_model, count_parameters
+from flower_shard.runtime.outer_sync import OuterOptimizer
+from flower_shard.runtime.schedule import warmup_cosine
 
 
 def test_preset_sizes():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flower_shard.emulated_network import available
+from flower_shard.launch.emulated_network import available
 
 BENCH = Path(__file__).parent.parent / "bench" / "multitier.py"
 

@@ -7,7 +7,7 @@ import torch
 from conftest import torchrun
 
 from flower_shard.config import TrainConfig
-from flower_shard.models import build_model
+from flower_shard.runtime.models import build_model
 
 GROUPS = 2
 
@@ -125,7 +125,7 @@ def unshard(flats: list[torch.Tensor], like: dict, names: list[str]) -> dict:
 def test_int8_sync_is_the_exact_decoded_mean_with_error_feedback(tmp_path, corpus_dir):
     """Each rank compresses ITS shard of global - local (chunks of 64, residual carried over),
     all-gathers, and every group applies the same decoded mean: rebuilt here from full tensors."""
-    from flower_shard import compression as Z
+    from flower_shard.runtime import compression as Z
 
     chunk = 64
     cfg, load = run_sync(

@@ -8,24 +8,21 @@ import numpy as np
 import pytest
 
 from flower_shard import protocol as P
-from flower_shard.cli import build_parser, config_from_args
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.data import (
+from flower_shard.config.federation import FederationConfig
+from flower_shard.data.batches import rank_batches
+from flower_shard.data.corpus import load_blocks, load_documents, prepare_corpus
+from flower_shard.data.partition import (
     DIRICHLET_ATTEMPTS,
     block_documents,
     by_source_groups,
-    check_fits,
-    count_sources,
     dirichlet_groups,
-    load_blocks,
-    load_documents,
     partition,
     partition_data,
-    prepare_corpus,
-    rank_batches,
-    source_of,
 )
-from flower_shard.federation import FederationConfig
+from flower_shard.data.sources import count_sources, source_of
+from flower_shard.preflight import check_fits
+from flower_shard.ux.cli import build_parser, config_from_args
 
 SEQ = 31  # blocks of 32 tokens: a few hundred blocks from the small corpus below
 
@@ -341,7 +338,7 @@ def test_cli_flags_and_flower_run_config_carry_the_partition(monkeypatch):
         P.GROUP_INDEX: 2,
         P.NUM_SERVER_ROUNDS: 3,
     }
-    from flower_shard.clients import group_service
+    from flower_shard.flower.group import service as group_service
 
     monkeypatch.setattr(group_service.dist, "get_world_size", lambda: 2)
     group = group_service.config_from_message(message, None, "cpu")

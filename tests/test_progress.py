@@ -10,8 +10,8 @@ from io import StringIO
 import pytest
 from rich.console import Console
 
-from flower_shard import metrics as M
-from flower_shard.progress import RoundDisplay, format_table, is_interactive
+from flower_shard.ux import metrics as M
+from flower_shard.ux.progress import RoundDisplay, format_table, is_interactive
 
 # Two rounds of `flower-shard train` (G = 2: an outer sync; evaluated in round 1 only) ...
 TRAIN = [
@@ -151,8 +151,8 @@ def test_only_a_real_terminal_gets_the_live_display(monkeypatch):
 
 
 def test_tensorboard_missing_fails_before_anything_starts(tmp_path, monkeypatch, capsys):
-    from flower_shard.cli import main
     from flower_shard.config import ConfigError, TrainConfig
+    from flower_shard.ux.cli import main
 
     # None in sys.modules is how Python marks a module as not importable.
     monkeypatch.setitem(sys.modules, "tensorboard", None)

@@ -14,9 +14,9 @@ import sys
 import pytest
 from conftest import train_cli
 
-from flower_shard import metrics as M
-from flower_shard import report as R
-from flower_shard.cli import main as cli_main
+from flower_shard.ux import metrics as M
+from flower_shard.ux import report as R
+from flower_shard.ux.cli import main as cli_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GROUPS, RANKS, ROUNDS, STEPS, BATCH, SEQ = 2, 1, 2, 2, 2, 32
@@ -139,7 +139,7 @@ def test_report_compares_two_runs_with_valid_pngs(trainer_run, flower_run, tmp_p
     pytest.importorskip("matplotlib")
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", "report", str(trainer_run)]
+        [sys.executable, "-m", "flower_shard.ux.cli", "report", str(trainer_run)]
         + ["--vs", str(flower_run), "--out", str(out)],
         capture_output=True,
         text=True,
@@ -217,7 +217,7 @@ def test_bad_input_fails_with_one_line_and_status_2(case, expected, tmp_path, ca
 
 def test_bad_input_exit_status_of_the_command(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", "report", str(tmp_path)],
+        [sys.executable, "-m", "flower_shard.ux.cli", "report", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -227,7 +227,7 @@ def test_bad_input_exit_status_of_the_command(tmp_path):
 
 
 def test_side_file_names_are_the_writers():
-    from flower_shard.launch import CONFIG_FILE
-    from flower_shard.server_app import SUMMARY_FILE
+    from flower_shard.flower.server.server_app import SUMMARY_FILE
+    from flower_shard.launch.torchrun import CONFIG_FILE
 
     assert (R.CONFIG_FILE, R.SUMMARY_FILE) == (CONFIG_FILE, SUMMARY_FILE)

@@ -19,12 +19,12 @@ import pytest
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
 from flower_shard import protocol as P
-from flower_shard.certificates import make_supernode_keys, make_tls_certificates
-from flower_shard.cli import main as cli_main
-from flower_shard.deployment import LocalDeployment
-from flower_shard.metrics import read_metrics
-from flower_shard.node import Node, SuperNodeRefused, bin_path
-from flower_shard.processes import ManagedProcess, free_port, marked_pids
+from flower_shard.flower.certificates import make_supernode_keys, make_tls_certificates
+from flower_shard.flower.node.launcher import Node, SuperNodeRefused, bin_path
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
+from flower_shard.ux.cli import main as cli_main
+from flower_shard.ux.metrics import read_metrics
 
 ROUNDS = 2
 
@@ -258,8 +258,8 @@ def _listening(port: int) -> set[str]:
 
 
 def test_cross_group_rendezvous_listens_on_the_configured_interface_only():
-    from flower_shard.processes import free_port
-    from flower_shard.server_app import host_rendezvous
+    from flower_shard.flower.server.server_app import host_rendezvous
+    from flower_shard.launch.processes import free_port
 
     port = free_port()
     store = host_rendezvous(f"127.0.0.1:{port}", 5.0)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from flower_shard.certificates import make_supernode_keys, make_tls_certificates
-from flower_shard.federation import FederationConfig
+from flower_shard.config.federation import FederationConfig
+from flower_shard.flower.certificates import make_supernode_keys, make_tls_certificates
 
 SLURM = Path(__file__).parent.parent / "examples" / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
@@ -68,7 +68,7 @@ def run_script(script: str, tmp_path: Path, env: dict, programs: list[str]) -> l
 
 def dry_run(argv: list[str]) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "flower_shard.cli", *argv, "--dry-run"],
+        [sys.executable, "-m", "flower_shard.ux.cli", *argv, "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -106,7 +106,7 @@ def test_collective_script_gives_every_host_its_own_rank(tmp_path):
 
 
 def test_site_node_script_starts_an_authenticated_tls_node(tmp_path):
-    from flower_shard.node import NodeConfig, add_node_flags, node_config_from_args
+    from flower_shard.flower.node.launcher import NodeConfig, add_node_flags, node_config_from_args
 
     certs = make_tls_certificates(tmp_path / "certs")
     keys = make_supernode_keys(tmp_path, "site")

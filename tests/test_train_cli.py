@@ -6,8 +6,8 @@ import json
 
 from conftest import assert_tensorboard_is_metrics, train_cli
 
-from flower_shard import metrics as M
-from flower_shard.launch import CONFIG_FILE
+from flower_shard.launch.torchrun import CONFIG_FILE
+from flower_shard.ux import metrics as M
 
 
 def test_train_end_to_end(tmp_path):

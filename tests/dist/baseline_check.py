@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from flower_shard.config import TrainConfig
-from flower_shard.data import rank_batches
-from flower_shard.models import build_model
-from flower_shard.schedule import warmup_cosine
-from flower_shard.trainer import GroupTrainer, lm_loss
+from flower_shard.data.batches import rank_batches
+from flower_shard.runtime.models import build_model
+from flower_shard.runtime.schedule import warmup_cosine
+from flower_shard.runtime.trainer import GroupTrainer, lm_loss
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)

@@ -12,9 +12,9 @@ import torch
 from common import full_moments, full_state, save_from_group_leader
 
 from flower_shard.config import TrainConfig
-from flower_shard.models import build_model, materialize
-from flower_shard.parallelize import parallelize
-from flower_shard.trainer import GroupTrainer
+from flower_shard.runtime.models import build_model, materialize
+from flower_shard.runtime.parallelize import parallelize
+from flower_shard.runtime.trainer import GroupTrainer
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)

@@ -7,9 +7,9 @@ saves the loaded state under OUT_ROOT/group_G; the test compares the two checkpo
 
 import sys
 
-from flower_shard import checkpoint as C
+from flower_shard.runtime import checkpoint as C
 from flower_shard.config import TrainConfig
-from flower_shard.trainer import GroupTrainer
+from flower_shard.runtime.trainer import GroupTrainer
 
 cfg_path, data_dir, run_dir, rnd, out_root = sys.argv[1:6]
 trainer = GroupTrainer(TrainConfig.from_json(cfg_path), data_dir)

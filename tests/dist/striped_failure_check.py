@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from flower_shard.outer_sync import OuterSync
+from flower_shard.runtime.outer_sync import OuterSync
 
 
 class FailingAllreduce:

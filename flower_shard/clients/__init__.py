@@ -1,1 +1,0 @@
-"""Flower ClientApp and the bridge to a running group."""

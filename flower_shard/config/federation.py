@@ -1,0 +1,133 @@
+"""The server side's settings, read from Flower's run config in one place.
+
+Run-config keys are the kebab-case names of :class:`~flower_shard.config.TrainConfig` fields
+(``seq-len``, ``batch-size``, ...) plus Flower-specific ones: ``num-server-rounds``,
+``local-steps``, ``transport``, ``outer-optimizer``, ``min-groups``, ``round-seconds``,
+``round-timeout``, ``collective-address``, ``poll-interval``, ``out-dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from flower_shard import protocol as P
+from flower_shard.config import ConfigError, TrainConfig
+
+# run-config key -> TrainConfig field, where the names differ
+RENAMED = {
+    P.NUM_SERVER_ROUNDS: "rounds",
+    P.OUTER_OPTIMIZER: "outer",
+    P.OUT_DIR: "out",
+}
+
+
+@dataclass
+class FederationConfig:
+    """What the ServerApp and ShardedFedAvg need."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The run as a group sees it (model, data, T, rounds, outer optimizer, ...)."""
+    transport: str = "flower"
+    """`flower`: weights travel in Flower Messages; `collective`: groups all-reduce shards."""
+    min_groups: int = 1
+    """A round updates the global model only if at least this many groups replied validly."""
+    round_seconds: float = 0.0
+    """Time-budgeted rounds: each group trains as many inner steps as fit in this many seconds
+    (at least one, at most `max-local-steps`), reports its steps and tokens, and the
+    aggregation weights by tokens, so fast and slow groups (different K or hardware) finish a
+    round together; the run is `num-server-rounds` rounds and the inner LR schedule follows
+    its time. 0: every group trains `local-steps` steps."""
+    round_timeout: float = 600.0
+    """Seconds to wait for the groups' replies in one round; late groups are left out."""
+    sync_timeout: float = 120.0
+    """Collective transport: seconds a group waits for its peers in the cross-group
+    rendezvous and all-reduce; past it the group abandons that sync and keeps its weights."""
+    collective_address: str = "127.0.0.1:29600"
+    """HOST:PORT where the ServerApp hosts the cross-group rendezvous (collective transport)."""
+    poll_interval: float = 0.05
+    """Seconds between the strategy's pulls of replies (Flower's default sleeps 3 s)."""
+    outlier_factor: float = 10.0
+    """Reject an update whose norm exceeds this many times the median of the other groups'
+    (leave-one-out); 0 disables the rule."""
+    aggregation: str = "mean"
+    """`mean` (token-weighted) or `trimmed-mean` (coordinate-wise, robust to a few bad groups)."""
+    trim_fraction: float = 0.2
+    """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate."""
+    group_addresses: str = ""
+    """Simulation only: the groups' addresses, comma-separated, one per virtual client."""
+
+    @classmethod
+    def from_run_config(cls, run_config: dict) -> FederationConfig:
+        """Fill and validate from a Flower run config; unknown keys are an error."""
+        own = {f.name for f in dataclasses.fields(cls) if f.name != "train"}
+        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        train_kwargs, kwargs, unknown = {}, {}, []
+        for key, value in run_config.items():
+            name = RENAMED.get(key, key.replace("-", "_"))
+            if name in own:
+                kwargs[name] = value
+            elif name in train_fields and name not in ("groups", "nproc_per_group", "nnodes"):
+                train_kwargs[name] = value
+            else:
+                unknown.append(key)
+        if unknown:
+            raise ConfigError(
+                f"unknown run-config keys {sorted(unknown)}; see flower_shard/config/federation.py"
+            )
+        # TOML has no None: "" means unset.
+        for name in ("data", "tokenizer", "resume", "partition_label"):
+            if train_kwargs.get(name) == "":
+                train_kwargs[name] = None
+        cfg = cls(train=TrainConfig(**train_kwargs), **kwargs)
+        return cfg.validate()
+
+    def validate(self) -> FederationConfig:
+        if self.transport not in P.TRANSPORTS:
+            raise ConfigError(
+                f"transport {self.transport!r} is unknown; choose one of {', '.join(P.TRANSPORTS)}"
+            )
+        if self.aggregation not in ("mean", "trimmed-mean"):
+            raise ConfigError(
+                f"aggregation {self.aggregation!r} is unknown; choose mean or trimmed-mean"
+            )
+        if self.outlier_factor < 0 or not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
+        if not 0 <= self.round_seconds < float("inf"):  # also refuses NaN
+            raise ConfigError(f"round-seconds must be >= 0 (0: fixed T), got {self.round_seconds}")
+        if self.round_seconds and self.train.adaptive_t:
+            raise ConfigError(
+                "round-seconds and adaptive-t both choose the steps of a round: set one of them"
+            )
+        if self.round_seconds and self.round_seconds >= self.round_timeout:
+            raise ConfigError(
+                f"round-seconds {self.round_seconds} must be below round-timeout "
+                f"{self.round_timeout}, or every round would time out"
+            )
+        if self.min_groups < 1:
+            raise ConfigError(f"min-groups must be >= 1, got {self.min_groups}")
+        if self.round_timeout <= 0 or self.poll_interval <= 0 or self.sync_timeout <= 0:
+            raise ConfigError("round-timeout, sync-timeout and poll-interval must be > 0")
+        host, _, port = self.collective_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"collective-address {self.collective_address!r} must be HOST:PORT")
+        # The group-level checks (model, T, rounds, ...) with a stand-in topology.
+        dataclasses.replace(self.train, groups=1, nproc_per_group=1, nnodes=1).validate()
+        return self
+
+    def group_config(self) -> dict:
+        """The run config that every train/evaluate message carries to the groups."""
+        t = self.train
+        cfg = {P.kebab(f): getattr(t, f) for f in P.GROUP_FIELDS if getattr(t, f) is not None}
+        cfg |= {
+            P.NUM_SERVER_ROUNDS: t.rounds,
+            P.LOCAL_STEPS: t.local_steps,
+            P.TRANSPORT: self.transport,
+            P.OUTER_OPTIMIZER: t.outer,
+            P.OUTER_LR: t.outer_lr,
+            P.OUTER_MOMENTUM: t.outer_momentum,
+            P.ROUND_TIMEOUT: self.round_timeout,
+            P.SYNC_TIMEOUT: self.sync_timeout,
+            P.COLLECTIVE_ADDRESS: self.collective_address,
+        }
+        return cfg

@@ -1,0 +1,335 @@
+"""The run configuration: one typed dataclass, filled in one place, validated before launch.
+
+Every check raises :class:`ConfigError` with one line that names the problem and the fix; the
+CLI prints that line and exits with status 2, so a bad configuration never reaches torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from flower_shard.errors import ConfigError
+
+SHARDING_MODES = ("fsdp", "hsdp")
+OUTER_OPTIMIZERS = ("fedavg", "nesterov")
+COMPRESSIONS = ("none", "bf16", "int8")
+DEVICES = ("auto", "cpu", "cuda")
+PARTITIONS = ("iid", "by-source", "dirichlet")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a group runtime needs to train; the CLI and the Flower apps fill it in."""
+
+    groups: int = 2
+    """G: number of loosely coupled groups; G = 1 is plain FSDP/HSDP over all ranks (baseline)."""
+    nproc_per_group: int = 2
+    """K: ranks per group; the world size is N = G x K."""
+    nnodes: int = 1
+    """Hosts the world spans; each host runs N / nnodes ranks (torchrun's --nnodes)."""
+    local_steps: int = 4
+    """T: inner optimizer steps per round; the groups synchronise once per round."""
+    adaptive_t: bool = False
+    """Choose each round's T from the last round's timings, keeping the exchange at most
+    --exchange-share of the round (flower_shard/planning/adaptive.py). T starts at --local-steps;
+    the budget stays rounds x local-steps inner steps, so the number of rounds varies."""
+    exchange_share: float = 0.2
+    """--adaptive-t: the largest share of a round that the exchange between groups may take."""
+    min_local_steps: int = 1
+    """--adaptive-t: the smallest T."""
+    max_local_steps: int = 64
+    """--adaptive-t: the largest T; with Flower's `round-seconds`, the most steps a group
+    trains in one round."""
+    rounds: int = 5
+    """Number of rounds (outer synchronisations)."""
+    sharding: str = "fsdp"
+    """Sharding inside a group: `fsdp` (1-D shard mesh) or `hsdp` (replicate x shard)."""
+    replicate: int = 1
+    """R: replicate degree for HSDP; the shard degree is S = K / R. Must be 1 for FSDP."""
+    outer: str = "fedavg"
+    """Outer optimizer: `fedavg` (the mean replaces the weights) or `nesterov` (DiLoCo)."""
+    outer_lr: float = 0.7
+    """Learning rate of the nesterov outer optimizer (DiLoCo uses 0.7)."""
+    outer_momentum: float = 0.9
+    """Momentum of the nesterov outer optimizer."""
+    sync_optimizer_state: bool = False
+    """Also average AdamW's first and second moments in the outer sync."""
+    compression: str = "none"
+    """How each group sends its pseudo-gradient (global - local) between groups: `none`
+    (float32), `bf16`, or `int8` (per-chunk scales); both transports
+    (flower_shard/runtime/compression.py).
+    """
+    compression_chunk: int = 2048
+    """int8: values per scale (one float32 scale per chunk: 4 / chunk bytes of overhead)."""
+    error_feedback: bool = True
+    """Carry what compression lost in one round into the next (per group); no effect for `none`.
+    """
+    model: str = "tiny"
+    """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
+    directory: config.json alone (built from it, initialised from the seed) or with safetensors
+    weights (loaded)."""
+    data: str | None = None
+    """Directory of text files, or a .jsonl / .parquet file (or a directory with some) whose
+    --text-column holds one document per record; None means the Python standard library's source.
+    """
+    text_column: str = "text"
+    """The field (column) of .jsonl / .parquet records that holds the text."""
+    partition: str = "iid"
+    """How the training blocks are split between groups (ranks then split their group's part):
+    `iid` (a seeded shuffle), `by-source` (whole top-level directories, or files at the top
+    level, per group, balanced by blocks) or `dirichlet` (each label's blocks shared out over
+    the groups in Dirichlet(--dirichlet-alpha) proportions)."""
+    partition_label: str | None = None
+    """For `dirichlet`: the field of .jsonl / .parquet records that holds a document's label, or
+    `directory` (the document's top-level directory, or its file at the top level: the only
+    label text files have)."""
+    dirichlet_alpha: float = 0.5
+    """For `dirichlet`: the concentration; smaller is more skewed (0.1: most labels go to one
+    group; 100: close to iid)."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation (text files, or records of .jsonl / .parquet
+    files; chosen by a hash of the file's path and the record's index)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 4
+    """Sequences per rank per step (B_local); a group's batch is B_local x K."""
+    lr: float = 1e-3
+    """Peak learning rate of the inner AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    warmup_frac: float = 0.1
+    """Fraction of all inner steps spent in linear warm-up."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm of each group to this value; 0 disables clipping."""
+    bf16: bool = False
+    """Compute in bfloat16 (FSDP2 MixedPrecisionPolicy); parameters and reductions stay float32."""
+    seed: int = 0
+    """Seed for model initialisation and data order; the same seed gives the same run."""
+    eval_every: int = 1
+    """Evaluate held-out perplexity every E rounds (and after the last round); 0 disables."""
+    eval_sequences: int = 64
+    """Held-out sequences per evaluation (the same set whatever the topology)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every C rounds (and after the last round) under OUT/checkpoints; 0 never.
+    """
+    keep_checkpoints: int = 3
+    """Checkpoints kept per group (and on the server), newest first; 0 keeps all."""
+    resume: str | None = None
+    """Continue the run whose output directory this is, from its last good checkpoint (the run's
+    settings must be the same; the number of ranks per group may differ)."""
+    device: str = "auto"
+    """`cuda` (NCCL), `cpu` (gloo), or `auto`: CUDA when it is available."""
+    out: str = "runs/latest"
+    """Output directory: metrics.jsonl, config.json and the prepared data."""
+    quiet: bool = False
+    """Do not show the rounds (a live progress bar on a terminal, else one line per round)."""
+    tensorboard: bool = False
+    """Also write each round's numeric metrics to OUT/tensorboard (scalars, step = round)."""
+
+    @property
+    def world_size(self) -> int:
+        """N = G x K."""
+        return self.groups * self.nproc_per_group
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps over the whole run."""
+        return self.rounds * self.local_steps
+
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Whether a group saves a checkpoint after round ``rnd``: every C rounds and after
+        the last one (never when C = 0)."""
+        return bool(self.checkpoint_every) and (
+            rnd % self.checkpoint_every == 0 or rnd == self.rounds
+        )
+
+    def validate(self) -> TrainConfig:
+        """Raise :class:`ConfigError` on the first wrong value; return self when all is well."""
+        from flower_shard.runtime.models import (
+            PRESETS,  # local import: models pulls in transformers
+        )
+
+        _positive("--groups", self.groups)
+        _positive("--nproc-per-group", self.nproc_per_group)
+        _positive("--nnodes", self.nnodes)
+        _positive("--local-steps", self.local_steps)
+        _positive("--rounds", self.rounds)
+        _positive("--seq-len", self.seq_len)
+        _positive("--batch-size", self.batch_size)
+        _positive("--eval-sequences", self.eval_sequences)
+        _choice("--sharding", self.sharding, SHARDING_MODES)
+        _choice("--outer", self.outer, OUTER_OPTIMIZERS)
+        _choice("--device", self.device, DEVICES)
+        _positive("--min-local-steps", self.min_local_steps)
+        _positive("--max-local-steps", self.max_local_steps)
+        if self.adaptive_t and not (
+            0 < self.exchange_share < 1 and self.min_local_steps <= self.max_local_steps
+        ):
+            raise ConfigError(
+                f"--adaptive-t needs --exchange-share in (0, 1) and --min-local-steps <= "
+                f"--max-local-steps, got {self.exchange_share}, {self.min_local_steps}, "
+                f"{self.max_local_steps}"
+            )
+        _choice("--compression", self.compression, COMPRESSIONS)
+        _positive("--compression-chunk", self.compression_chunk)
+        if self.compression != "none" and self.sync_optimizer_state:
+            raise ConfigError(
+                "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
+                "--sync-optimizer-state or use --compression none"
+            )
+        if self.model not in PRESETS:
+            if not Path(self.model).exists():
+                raise ConfigError(
+                    f"--model {self.model!r} is unknown; choose one of {', '.join(PRESETS)}, or "
+                    "give a local transformers model directory (with config.json)"
+                )
+            from flower_shard.runtime.models import hf_config
+
+            positions = getattr(hf_config(self.model), "max_position_embeddings", None)
+            if positions is not None and self.seq_len > positions:
+                raise ConfigError(
+                    f"--seq-len {self.seq_len} exceeds --model {self.model}'s "
+                    f"max_position_embeddings {positions}; use a shorter --seq-len"
+                )
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
+                f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
+                "the same number of ranks"
+            )
+        # Topology owns the N = G x K and K = R x S checks and their messages.
+        from flower_shard.runtime.topology import Topology
+
+        Topology(self.world_size, self.groups, self.sharding, self.replicate)
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("--weight-decay and --grad-clip must be >= 0")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 0:
+            raise ConfigError(
+                "--checkpoint-every and --keep-checkpoints must be >= 0 (0: never / keep all)"
+            )
+        if self.resume is not None and not Path(self.resume, "checkpoints").is_dir():
+            raise ConfigError(
+                f"--resume {self.resume}: no checkpoints/ there; give the output directory of a "
+                "run that ran with --checkpoint-every > 0"
+            )
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
+                f"{self.outer_lr} and {self.outer_momentum}"
+            )
+        if self.data is not None:
+            check_data(self.data)
+        if not self.text_column:
+            raise ConfigError("--text-column must name a field of the records, got ''")
+        self._validate_partition()
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ConfigError(
+                f"--tokenizer {self.tokenizer}: no such directory; give a local Hugging Face "
+                "tokenizer directory (with tokenizer.json), or leave it out for bytes"
+            )
+        if self.tensorboard:
+            require_tensorboard()
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda: no CUDA device here; use --device cpu or auto")
+        return self
+
+    def _validate_partition(self) -> None:
+        """The --partition settings; for `by-source`, also that the data has enough sources."""
+        _choice("--partition", self.partition, PARTITIONS)
+        if not self.dirichlet_alpha > 0:  # `not >` also refuses NaN
+            raise ConfigError(
+                "--dirichlet-alpha must be > 0 (smaller is more skewed), got "
+                f"{self.dirichlet_alpha}"
+            )
+        if self.partition == "dirichlet" and not self.partition_label:
+            raise ConfigError(
+                "--partition dirichlet needs --partition-label: a field of the records, or "
+                "`directory` (each document's top-level directory)"
+            )
+        if self.partition_label and self.partition != "dirichlet":
+            raise ConfigError(
+                f"--partition-label applies to --partition dirichlet only, not {self.partition!r}; "
+                "drop it or use --partition dirichlet"
+            )
+        if self.partition == "by-source" and self.groups > 1:
+            from flower_shard.data.sources import count_sources
+
+            sources = count_sources(self.data)
+            if sources < self.groups:
+                raise ConfigError(
+                    f"--partition by-source: the data has {sources} source(s) (top-level "
+                    f"directories or files) for {self.groups} groups; use at most {sources} "
+                    "groups, split the data into more directories, or use --partition dirichlet"
+                )
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write the configuration as JSON (what the ranks read)."""
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
+        """Read a configuration written by :meth:`to_json`; unknown keys are an error."""
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown configuration keys {unknown}")
+        return cls(**raw)
+
+
+def check_data(data: str, flag: str = "--data") -> None:
+    """Raise :class:`ConfigError` unless ``data`` is a directory or a .jsonl / .parquet file."""
+    from flower_shard.data.sources import RECORD_SUFFIXES
+
+    path = Path(data)
+    if not path.is_dir() and not (path.is_file() and path.suffix in RECORD_SUFFIXES):
+        raise ConfigError(
+            f"{flag} {data}: no such directory or .jsonl / .parquet file; point it "
+            "at a directory of text files or at a .jsonl / .parquet file"
+        )
+
+
+def require_tensorboard(flag: str = "--tensorboard") -> None:
+    """Raise :class:`ConfigError` unless the ``tensorboard`` package is installed.
+
+    ``torch.utils.tensorboard`` needs it; looked up without importing it (seconds), so a
+    run fails before any process starts.
+    """
+    from importlib.util import find_spec
+
+    if find_spec("tensorboard") is None:
+        raise ConfigError(
+            f"{flag} needs the tensorboard package: pip install tensorboard "
+            "(it is in flower-shard's dev extra)"
+        )
+
+
+def _positive(flag: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} {value!r} is unknown; choose one of {', '.join(choices)}")

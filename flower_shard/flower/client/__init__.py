@@ -1,0 +1,1 @@
+"""The ClientApp and its client of the node's group."""

@@ -1,0 +1,60 @@
+"""The caller's side of a group's control service (used by the ClientApp and the launcher)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flower_shard import protocol as P
+from flower_shard.errors import GroupError, GroupUnavailable
+
+
+class GroupClient:
+    """Calls a group at ``address`` (``unix:/path/group.sock`` or ``127.0.0.1:PORT``).
+
+    Every call has a deadline, so a missing or hung group gives a clear error, never a hang.
+    """
+
+    def __init__(self, address: str, connect_timeout: float = 10.0):
+        import grpc
+
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self._channel = grpc.insecure_channel(address, options=P.GRPC_OPTIONS)
+
+    def call(
+        self,
+        method: str,
+        header: dict | None = None,
+        arrays: dict[str, np.ndarray] | None = None,
+        timeout: float = 3600.0,
+    ):
+        import grpc
+
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=self.connect_timeout)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            raise GroupUnavailable(
+                f"no flower-shard group answers at {self.address} (waited "
+                f"{self.connect_timeout:.0f} s): start it with `flower-shard node`, or fix the "
+                f"node config key {P.GROUP_ADDRESS!r}"
+            ) from None
+        stub = self._channel.unary_unary(f"/{P.SERVICE}/{method}")
+        try:
+            reply = stub(P.encode(header or {}, arrays), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise GroupUnavailable(
+                f"the group at {self.address} failed during {method}: {exc.code().name} "
+                f"{exc.details()}"
+            ) from None
+        head, out = P.decode(reply)
+        if "error" in head:
+            raise GroupError(head["error"])
+        return head, out
+
+    def health(self) -> dict:
+        return self.call(P.HEALTH, timeout=self.connect_timeout)[0]
+
+    def close(self) -> None:
+        self._channel.close()

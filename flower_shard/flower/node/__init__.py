@@ -1,0 +1,1 @@
+"""``flower-shard node``: the node launcher and the patches of Flower's SuperNode."""

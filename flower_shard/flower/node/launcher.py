@@ -1,0 +1,495 @@
+"""``flower-shard node``: one Flower client = a torchrun group + a ``flower-supernode``.
+
+Starts the group (K ranks, control service on a Unix socket in an owner-only directory), waits
+until it answers, then starts ``flower-supernode`` with the node config that points the
+ClientApp at the group, and waits until the SuperNode is up. From then on it watches both: on
+SIGINT/SIGTERM, or when either one dies, it stops both process trees (including the SuperExec
+and ClientApp processes that Flower detaches) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+
+from flower_shard import protocol as P
+from flower_shard.config.train import ConfigError, check_data
+from flower_shard.flower.certificates import load_supernode_private_key, load_supernode_public_key
+from flower_shard.flower.node import fast_supernode
+from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node (a group plus its SuperNode)."""
+
+    superlink: str = "127.0.0.1:8000"
+    """SuperLink address (HOST:PORT) the SuperNode connects to."""
+    nproc_per_group: int = 2
+    """K: ranks in this node's group."""
+    port: int | None = None
+    """The SuperNode's local API port (distinct per node on one host); None picks a free one."""
+    work_dir: str | None = None
+    """Where the group keeps its socket, data and logs; None makes a private temporary dir."""
+    data: str | None = None
+    """This node's directory of text files, or a .jsonl / .parquet file whose run-config
+    `text-column` holds the text (default: the standard library's source)."""
+    device: str = "auto"
+    """`cuda` (NCCL), `cpu` (gloo) or `auto`."""
+    root_certificates: str | None = None
+    """CA certificate (PEM) that signed a TLS SuperLink's certificate; None connects with
+    --insecure (no TLS)."""
+    auth_private_key: str | None = None
+    """SuperNode authentication: this node's private key (EC on a NIST curve, unencrypted OpenSSH
+    format, see flower_shard.flower.certificates.make_supernode_keys). Its public key must be
+    registered first (`flwr supernode register KEY.pub CONNECTION`). Needs root_certificates."""
+    auth_public_key: str | None = None
+    """Optional: the public key registered for this node. Flower 1.42 derives it from the
+    private key and no longer takes it; when given, it is checked to be the private key's pair
+    before anything starts."""
+    dump_dir: str | None = None
+    """Debug: the group writes its weights at each stage of each round here."""
+    poll_interval: float = 0.1
+    """The SuperNode's idle poll in seconds (Flower's own is 3 s; see fast_supernode)."""
+    warm_clientapp: bool = True
+    """Serve every message from one long-lived ClientApp process
+    (flower_shard.flower.node.warm_superexec) instead of Flower's fresh process per message, which
+    costs seconds of start-up per round. False: Flower's own process isolation between messages."""
+    fault_file: str | None = None
+    """Fault injection: the group spoils its replies as this file says (tests, drills)."""
+    ready_timeout: float = 180.0
+    """Seconds to wait for the group and the SuperNode to come up."""
+    max_restarts: int = 3
+    """Restart the group up to this many times when it dies (a rank killed, out of memory);
+    the SuperNode stays connected, so the group keeps its place and rejoins at the next round.
+    0: the node exits when its group dies."""
+
+    def validate(self) -> NodeConfig:
+        host, _, port = self.superlink.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
+        if self.nproc_per_group < 1:
+            raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.poll_interval <= 3:
+            raise ConfigError(
+                f"--poll-interval must be in (0, 3] seconds, got {self.poll_interval}"
+            )
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.data is not None:
+            check_data(self.data)
+        for flag, path in (
+            ("--root-certificates", self.root_certificates),
+            ("--auth-supernode-private-key", self.auth_private_key),
+            ("--auth-supernode-public-key", self.auth_public_key),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+        self._validate_security()
+        return self
+
+    def _validate_security(self) -> None:
+        # Flower only reports these once the SuperNode runs (or as a traceback); checked here
+        # they fail in one line that names the flag, before the group starts.
+        if self.root_certificates is not None:
+            try:
+                x509.load_pem_x509_certificates(Path(self.root_certificates).read_bytes())
+            except ValueError:
+                raise ConfigError(
+                    f"--root-certificates {self.root_certificates}: not a PEM certificate "
+                    "(pass the CA file that signed the SuperLink's certificate)"
+                ) from None
+        if self.auth_public_key is not None and self.auth_private_key is None:
+            raise ConfigError(
+                "--auth-supernode-public-key needs --auth-supernode-private-key (the node "
+                "signs with the private key; the public key alone authenticates nothing)"
+            )
+        if self.auth_private_key is None:
+            return
+        if self.root_certificates is None:
+            raise ConfigError(
+                "SuperNode authentication needs both --auth-supernode-private-key and "
+                "--root-certificates CA: Flower authenticates SuperNodes only over TLS"
+            )
+        try:
+            key = load_supernode_private_key(self.auth_private_key)
+        except ValueError as exc:
+            raise ConfigError(
+                f"--auth-supernode-private-key {self.auth_private_key}: {exc}; make one with "
+                "flower_shard.flower.certificates.make_supernode_keys or ssh-keygen -t ecdsa -b 384"
+            ) from None
+        if self.auth_public_key is not None:
+            try:
+                public = load_supernode_public_key(self.auth_public_key)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"--auth-supernode-public-key {self.auth_public_key}: {exc}"
+                ) from None
+            if public.public_numbers() != key.public_key().public_numbers():
+                raise ConfigError(
+                    f"--auth-supernode-public-key {self.auth_public_key} is not the public key "
+                    f"of --auth-supernode-private-key {self.auth_private_key}: pass the pair "
+                    "(or leave the public key out; Flower derives it)"
+                )
+
+
+def bin_path(name: str) -> str:
+    """An entry point of the running environment (flower-supernode, flwr, ...)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def env_with_bin() -> dict[str, str]:
+    """Our environment with the running venv's bin first on PATH (Flower spawns its tools)."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Never let Flower install the app's dependencies into a fresh environment per run: that
+    # would pull a second torch (a CUDA build) instead of using the one installed here.
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    # SuperExec (which starts ServerApp / ClientApp processes) polls for work every 1 s.
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
+    return env
+
+
+class _PortTaken(RuntimeError):
+    """The SuperNode could not bind its local API port."""
+
+
+class SuperNodeRefused(RuntimeError):
+    """``flower-supernode`` exited before it joined: refused by the SuperLink, or TLS failed.
+
+    The first line of the message says why; the SuperNode's log tail follows.
+    """
+
+
+# Flower 1.42's API error codes (flwr.supercore.error.ApiErrorCode), which the SuperNode prints
+# as "[code: N]" when the SuperLink refuses it: steadier than the messages' wording.
+_REFUSALS = {
+    "[code: 2001]": (
+        "the SuperLink requires SuperNode authentication: start this node with "
+        "--auth-supernode-private-key KEY whose public key is registered "
+        "(flwr supernode register KEY.pub CONNECTION)"
+    ),
+    "[code: 2004]": (
+        "the SuperLink refused this SuperNode's key: register its public key first "
+        "(flwr supernode register KEY.pub CONNECTION)"
+    ),
+}
+
+
+def _refusal(tail: str, cfg: NodeConfig) -> str:
+    for code, reason in _REFUSALS.items():
+        if code in tail:
+            return f"flower-supernode was refused by {cfg.superlink}: {reason}"
+    if "SSL/TLS handshake error" in tail or "CERTIFICATE_VERIFY_FAILED" in tail:
+        return (
+            f"flower-supernode could not verify {cfg.superlink}'s TLS certificate with "
+            f"--root-certificates {cfg.root_certificates}: pass the CA that signed it"
+        )
+    return "flower-supernode exited"
+
+
+class Node:
+    """A running node: the group and the SuperNode, started and stopped together."""
+
+    def __init__(self, cfg: NodeConfig, prefix: list[str] | None = None):
+        """``prefix`` runs the group and the SuperNode through a wrapper command (the
+        multi-tier benchmark puts a node in a network namespace: ``ip netns exec SITE``)."""
+        self.cfg = cfg.validate()
+        self.prefix = list(prefix or [])
+        self.work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="flower-shard-node-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_dir, 0o700)  # the control socket is for this user only
+        self.address = f"unix:{self.work_dir / 'group.sock'}"
+        self.port = cfg.port or free_port()
+        self.group: ManagedProcess | None = None
+        self.supernode: ManagedProcess | None = None
+        self.restarts = 0
+        """How many times :meth:`supervise` restarted the group."""
+
+    def start(self, supernode: bool = True) -> None:
+        """Start the group, wait until it answers, then (optionally) the SuperNode."""
+        try:
+            self.launch_group()
+            self.wait_group()
+            if supernode:
+                self.start_supernode()
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch_group(self) -> None:
+        """Spawn the group's torchrun job (returns at once; see :meth:`wait_group`)."""
+        k = self.cfg.nproc_per_group
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={k}",
+            "-m",
+            "flower_shard.flower.group.service",
+            "--address",
+            self.address,
+            "--work-dir",
+            str(self.work_dir),
+            "--device",
+            self.cfg.device,
+        ]
+        if self.cfg.data:
+            cmd += ["--data", self.cfg.data]
+        if self.cfg.dump_dir:
+            cmd += ["--dump-dir", self.cfg.dump_dir]
+        if self.cfg.fault_file:
+            cmd += ["--fault-file", self.cfg.fault_file]
+        env = env_with_bin()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // k)))
+        self.group = ManagedProcess("group", cmd, self.work_dir / "group.log", env)
+
+    def wait_group(self) -> None:
+        """Wait until the group's control service answers ``Health`` with ready."""
+        from flower_shard.flower.client.group_client import GroupClient, GroupUnavailable
+
+        client = GroupClient(self.address, connect_timeout=1.0)
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        try:
+            while True:
+                if not self.group.alive():
+                    raise RuntimeError(f"the group exited while starting:\n{self.group.tail()}")
+                try:
+                    if client.health().get("ready"):
+                        return
+                except GroupUnavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the group did not answer in {self.cfg.ready_timeout} s")
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def start_supernode(self, attempts: int = 3) -> None:
+        """Start the SuperNode; if its auto-chosen API port was taken meanwhile, use another."""
+        for attempt in range(attempts):
+            try:
+                return self._start_supernode_once()
+            except _PortTaken:
+                if self.cfg.port is not None or attempt == attempts - 1:
+                    raise
+                self.supernode.stop()
+                self.port = free_port()
+
+    def _start_supernode_once(self) -> None:
+        cfg = self.cfg
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "flower_shard.flower.node.fast_supernode",
+            "--superlink",
+            cfg.superlink,
+            "--port",
+            str(self.port),
+            "--node-config",
+            f"{P.GROUP_ADDRESS}='{self.address}'",
+        ]
+        cmd += (
+            ["--root-certificates", cfg.root_certificates]
+            if cfg.root_certificates
+            else ["--insecure"]
+        )
+        if cfg.auth_private_key:
+            # Not --auth-supernode-public-key: deprecated in Flower 1.42 (only a warning), the
+            # public key is derived from the private one.
+            cmd += ["--auth-supernode-private-key", cfg.auth_private_key]
+        env = env_with_bin()
+        env[fast_supernode.POLL_ENV] = str(cfg.poll_interval)
+        env[fast_supernode.WARM_ENV] = "1" if cfg.warm_clientapp else "0"
+        self.supernode = ManagedProcess(
+            "supernode", cmd, self.work_dir / "supernode.log", env, cwd=self.work_dir
+        )
+        deadline = time.monotonic() + cfg.ready_timeout
+        while "SuperNode ID" not in self.supernode.tail(200):
+            if not self.supernode.alive():
+                tail = self.supernode.tail()
+                if "Runtime HTTP API failed to start" in tail or "address already in use" in tail:
+                    raise _PortTaken(f"port {self.port} is taken")
+                raise SuperNodeRefused(f"{_refusal(tail, cfg)}\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"flower-supernode did not register with {cfg.superlink} in "
+                    f"{cfg.ready_timeout} s (is the SuperLink up, and does it use TLS "
+                    "(--root-certificates) or not (no flag)?):\n"
+                    f"{self.supernode.tail()}"
+                )
+            time.sleep(0.2)
+
+    def supervise(self, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> str | None:
+        """Restart a dead group (up to ``max_restarts`` times); say why the node cannot go on.
+
+        Returns None while the node can serve. The restart does not wait for the new group:
+        until it answers, the ClientApp replies with an error and the server leaves this group
+        out of the round; once up, the group rejoins from the global weights and its own last
+        checkpoint (inner optimizer, LR schedule, data position).
+        """
+        if self.supernode is not None and not self.supernode.alive():
+            return self.dead()
+        if self.group is None or self.group.alive():
+            return None
+        if self.restarts >= self.cfg.max_restarts:
+            return f"{self.dead()}\n(restarted {self.restarts} times already: giving up)"
+        self.restarts += 1
+        log(
+            f"flower-shard node: the group exited with {self.group.proc.returncode}; restart "
+            f"{self.restarts}/{self.cfg.max_restarts}:\n{self.group.tail(5)}"
+        )
+        self.group.stop()
+        Path(self.address.removeprefix("unix:")).unlink(missing_ok=True)
+        self.launch_group()
+        return None
+
+    def rank_pids(self) -> list[int]:
+        """The group's rank processes (not its torchrun agent): targets for fault drills."""
+        pids = []
+        for pid in marked_pids(self.group.marker) if self.group else []:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"group_service" in cmd and b"torch.distributed.run" not in cmd:
+                pids.append(pid)
+        return pids
+
+    def dead(self) -> str | None:
+        """Which part has died, if any."""
+        for part in (self.group, self.supernode):
+            if part is not None and not part.alive():
+                return f"{part.name} exited with {part.proc.returncode}:\n{part.tail()}"
+        return None
+
+    def stop(self) -> None:
+        for part in (self.supernode, self.group):
+            if part is not None:
+                part.stop()
+
+
+def run_node(cfg: NodeConfig) -> int:
+    """Start a node and keep it until a signal arrives or a part dies."""
+    node = Node(cfg)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            node.start()
+        except (SuperNodeRefused, TimeoutError) as exc:
+            print(f"flower-shard node: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(
+            f"flower-shard node: group of {cfg.nproc_per_group} at {node.address}, "
+            f"supernode on port {node.port}, connected to {cfg.superlink}",
+            flush=True,
+        )
+        while not stopping:
+            reason = node.supervise()
+            if reason:
+                print(f"flower-shard node: {reason}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        node.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    d = NodeConfig()
+    parser.add_argument("--superlink", default=d.superlink, help="SuperLink HOST:PORT")
+    parser.add_argument(
+        "--nproc-per-group",
+        type=int,
+        default=d.nproc_per_group,
+        help="K: ranks in this node's group",
+    )
+    parser.add_argument("--port", type=int, default=None, help="the SuperNode's local API port")
+    parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="this node's directory of text files, or a .jsonl / .parquet file (the run "
+        "config's text-column names the records' text field)",
+    )
+    parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--root-certificates",
+        default=None,
+        help="CA file (PEM) that signed a TLS SuperLink's certificate; without it: no TLS",
+    )
+    parser.add_argument(
+        "--auth-supernode-private-key",
+        dest="auth_private_key",
+        default=None,
+        help="this node's EC private key (OpenSSH format) for SuperNode authentication; its "
+        "public key must be registered (flwr supernode register KEY.pub CONNECTION); needs "
+        "--root-certificates",
+    )
+    parser.add_argument(
+        "--auth-supernode-public-key",
+        dest="auth_public_key",
+        default=None,
+        help="optional: the registered public key, checked to match the private key",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=d.poll_interval,
+        help="the SuperNode's idle poll in seconds (Flower's own: 3)",
+    )
+    parser.add_argument(
+        "--no-warm-clientapp",
+        dest="warm_clientapp",
+        action="store_false",
+        help="start a fresh ClientApp process per message (Flower's own; seconds per round)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        help="restart the group up to this many times when it dies (0: the node exits)",
+    )
+    parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
+
+
+def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        superlink=args.superlink,
+        nproc_per_group=args.nproc_per_group,
+        port=args.port,
+        work_dir=args.work_dir,
+        data=args.data,
+        device=args.device,
+        root_certificates=args.root_certificates,
+        auth_private_key=args.auth_private_key,
+        auth_public_key=args.auth_public_key,
+        dump_dir=args.dump_dir,
+        fault_file=args.fault_file,
+        poll_interval=args.poll_interval,
+        warm_clientapp=args.warm_clientapp,
+        max_restarts=args.max_restarts,
+    )

@@ -1,0 +1,1 @@
+"""The ServerApp, the ShardedFedAvg strategy and the server-side aggregation."""

@@ -1,0 +1,1 @@
+"""Starting processes: torchrun jobs, local Flower deployments, simulation, emulated networks."""

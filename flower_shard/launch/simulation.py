@@ -1,0 +1,95 @@
+"""Flower's simulation mode with real groups: ``flwr run . local-simulation``.
+
+Virtual clients (Ray actors) have no node config, so the run config's ``group-addresses``
+tells virtual client ``partition-id`` which group to drive. :func:`simulate` starts G groups,
+runs the app on the ``:local:`` SuperLink that ``flwr run`` manages, waits for the ServerApp's
+summary, and stops everything, including the local SuperLink that ``flwr run`` detaches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from flower_shard import protocol as P
+from flower_shard.flower.node.launcher import Node, NodeConfig, bin_path, env_with_bin
+from flower_shard.launch.deployment import APP_DIR, run_config_arg
+from flower_shard.launch.processes import ManagedProcess, free_port
+
+CONNECTION = "local-simulation"
+
+
+SLOW_START = "Failed to start local SuperLink within"
+START_ATTEMPTS = 3
+
+
+def simulate(
+    work_dir: str | os.PathLike,
+    run_config: dict,
+    groups: int = 2,
+    nproc_per_group: int = 2,
+    timeout: float = 900.0,
+    dump_dir: str | None = None,
+) -> dict:
+    """Run ``run_config`` (must hold ``out-dir``) in simulation mode; return the summary."""
+    work = Path(work_dir).resolve()
+    home = work / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = ":local:"\n'
+        f"options.num-supernodes = {groups}\n"
+        "options.backend.client-resources.num-cpus = 1\n"
+    )
+    env = env_with_bin()
+    env["FLWR_HOME"] = str(home)
+    # The managed local SuperLink's ports: free ones, so runs and other tests do not collide.
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
+    out = Path(run_config["out-dir"])
+    (out / "summary.json").unlink(missing_ok=True)
+    nodes = [
+        Node(
+            NodeConfig(
+                nproc_per_group=nproc_per_group, work_dir=str(work / f"group{i}"), dump_dir=dump_dir
+            )
+        )
+        for i in range(groups)
+    ]
+    flwr = None
+    try:
+        for node in nodes:
+            node.launch_group()
+        for node in nodes:
+            node.wait_group()
+        config = dict(run_config)
+        config[P.GROUP_ADDRESSES] = ",".join(n.address for n in nodes)
+        cmd = [bin_path("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config"]
+        cmd.append(run_config_arg(config))
+        attempt = 1
+        flwr = ManagedProcess("flwr-run", cmd, work / "flwr-run-1.log", env, cwd=work)
+        deadline = time.monotonic() + timeout
+        while not (out / "summary.json").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the simulation did not finish in {timeout} s:\n{flwr.tail()}")
+            if not flwr.alive() and flwr.proc.returncode != 0:
+                # `flwr run` gives its local SuperLink a fixed 15 s to start; on a loaded
+                # machine that can pass before it is up. Nothing ran yet: start it again.
+                if SLOW_START in flwr.tail() and attempt < START_ATTEMPTS:
+                    flwr.stop()
+                    attempt += 1
+                    log = work / f"flwr-run-{attempt}.log"
+                    flwr = ManagedProcess("flwr-run", cmd, log, env, cwd=work)
+                    continue
+                raise RuntimeError(f"flwr run failed:\n{flwr.tail()}")
+            for node in nodes:
+                if reason := node.dead():
+                    raise RuntimeError(f"a group died during the simulation: {reason}")
+            time.sleep(0.2)
+        return json.loads((out / "summary.json").read_text())
+    finally:
+        if flwr is not None:
+            flwr.stop()  # also the local SuperLink and its Ray workers (they carry the marker)
+        for node in nodes:
+            node.stop()

@@ -1,0 +1,241 @@
+"""A cost model of FL+FSDP / FL+HSDP against FSDP / HSDP on a multi-tier network.
+
+Pure functions, no torch. Notation: N ranks, G groups of K ranks, K = R x S (HSDP replicate x
+shard), P parameters, T local steps per round.
+
+Bytes each rank sends, ring collectives (a ring all-gather or reduce-scatter over n ranks
+moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
+
+- inside a group, per step (FSDP2 with reshard after forward):
+  ``allgathers`` x (S-1)/S x P x param_bytes   (forward and backward all-gathers)
+  + (S-1)/S x P x grad_bytes                     (gradient reduce-scatter; twice that on gloo,
+                                                  which runs it as an all-reduce)
+  + 2 (R-1)/R x P/S x grad_bytes                 (HSDP: all-reduce of the shards across replicas)
+- between groups, per round: 2 (G-1)/G x P/(S R) x 4 (one flat float32 all-reduce of the
+  shards, striped over a group's R HSDP replicas, which then all-gather the stripes inside the
+  group: (R-1)/R x P/S x 4 more intra-group bytes per round), so per step C_inter / T;
+  compressed (bf16, int8: flower_shard.runtime.compression), a ring all-gather of the payloads
+  instead, not striped, (G-1) x P/S x bytes per value (2, or 1 + 4 / chunk).
+
+Times: a collective runs at the bandwidth of the slowest tier its ranks span (intra-node,
+inter-node, inter-site), plus a latency term per ring step. A site's link is shared: when a
+collective dimension crosses sites, all its parallel instances that leave one site (one per
+rank of the site, up to the dimension's stride: S for HSDP's replicate all-reduce, K for the
+outer sync, 1 for FSDP over all ranks) split that link's bandwidth. No overlap with compute
+(an upper bound on the step time; ``overlap`` in [0, 1] hides that fraction of the intra-group
+communication behind compute). Step time = compute + C_intra + C_inter / T. Throughput = N x
+tokens per rank step / step time: the global batch of a group is B_local x K, not B_local x N,
+so each group makes its own progress and throughput counts all N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-tier bandwidth (bytes/s, per link) and latency (s), and how ranks map onto tiers."""
+
+    ranks_per_node: int = 8
+    nodes_per_site: int = 1 << 30
+    """Nodes in one site; a collective over more ranks than a site holds crosses sites."""
+    intra_node_bw: float = 300e9
+    inter_node_bw: float = 25e9
+    inter_site_bw: float = 1.25e9
+    intra_node_lat: float = 5e-6
+    inter_node_lat: float = 20e-6
+    inter_site_lat: float = 1e-3
+    site_link_shared: bool = True
+    """The inter-site bandwidth is one link per site, shared by every ring that leaves the
+    site at once (a WAN link; the emulated sites of bench/multitier.py). False: per rank."""
+    backend: str = "nccl"
+    """The collective library: ``nccl`` (ring reduce-scatter) or ``gloo`` (reduce-scatter as
+    an all-reduce: twice the bytes)."""
+
+    def tier(self, span: int, stride: int = 1) -> tuple[float, float]:
+        """(bandwidth per ring, latency) of a collective over ``span`` ranks ``stride`` apart.
+
+        Ranks are laid out node by node, site by site; the collective touches ranks
+        ``0, stride, ..., (span-1) * stride``, and the same collective runs at once on every
+        offset (the other instances of its mesh dimension).
+        """
+        extent = (span - 1) * stride + 1
+        site = self.ranks_per_node * self.nodes_per_site
+        if extent <= self.ranks_per_node:
+            return self.intra_node_bw, self.intra_node_lat
+        if extent <= site:
+            return self.inter_node_bw, self.inter_node_lat
+        rings = min(stride, site) if self.site_link_shared else 1
+        return self.inter_site_bw / rings, self.inter_site_lat
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the per-rank step."""
+
+    params: int
+    """P: parameters of the model."""
+    compute_s: float
+    """Seconds of forward + backward + optimizer per step on one rank, communication excluded."""
+    tokens_per_step: int
+    """Tokens one rank processes per step (B_local x seq_len)."""
+    param_bytes: int = 4
+    """Bytes per parameter in the all-gathers (2 with bf16 compute)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element in the reduce-scatter / all-reduce."""
+    allgathers: float = 2.0
+    """All-gathers of every parameter per step (2 with reshard after forward)."""
+    overlap: float = 0.0
+    """Fraction of the intra-group communication hidden behind compute."""
+    compression: str = "none"
+    """The outer sync's payload: `none` (float32 all-reduce), `bf16` or `int8` (all-gather)."""
+    compression_chunk: int = 2048
+    """int8: values per float32 scale."""
+
+    @property
+    def exchange_value_bytes(self) -> float:
+        """Bytes per value of the outer sync's payload."""
+        return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / self.compression_chunk}[
+            self.compression
+        ]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees: N = G x K, K = R x S."""
+
+    world: int
+    groups: int = 1
+    replicate: int = 1
+    local_steps: int = 1
+
+    @property
+    def group_size(self) -> int:
+        return self.world // self.groups
+
+    @property
+    def shard(self) -> int:
+        return self.group_size // self.replicate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    intra_s: float
+    """Intra-group communication per step (after overlap)."""
+    inter_s: float
+    """Inter-group exchange per step (C_inter / T)."""
+    intra_bytes: float
+    """Bytes each rank sends inside its group per step."""
+    inter_bytes: float
+    """Bytes each rank sends to other groups per step (per round / T)."""
+    tokens_per_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def comm_share(self) -> float:
+        return (self.intra_s + self.inter_s) / self.step_s
+
+    @property
+    def inter_byte_share(self) -> float:
+        total = self.intra_bytes + self.inter_bytes
+        return self.inter_bytes / total if total else 0.0
+
+
+def ring_fraction(n: int) -> float:
+    """Fraction of the tensor a rank sends in a ring all-gather / reduce-scatter over n ranks."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def sent_bytes(kind: str, payload: float, n: int, backend: str = "nccl") -> float:
+    """Bytes one rank sends in one collective over ``n`` ranks whose ``payload`` is the
+    all-gather's input, the reduce-scatter's input or the all-reduce's tensor, in bytes.
+
+    A ring all-gather sends (n-1) x the input; a reduce-scatter (n-1)/n of it on NCCL, and
+    2 (n-1)/n on gloo, which runs it as an all-reduce and keeps a chunk
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); an all-reduce 2 (n-1)/n."""
+    if kind == "allgather":
+        return (n - 1) * payload
+    if kind == "reduce_scatter":
+        return (2 if backend == "gloo" else 1) * ring_fraction(n) * payload
+    return 2 * ring_fraction(n) * payload
+
+
+def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[str, float]:
+    """Bytes each rank sends inside its group in one step, per collective (the names of
+    :mod:`flower_shard.runtime.intra_comm`, which counts them in a real run)."""
+    s, r = lay.shard, lay.replicate
+    return {
+        "allgather": w.allgathers * sent_bytes("allgather", w.params * w.param_bytes / s, s),
+        "reduce_scatter": sent_bytes("reduce_scatter", w.params * w.grad_bytes, s, backend),
+        "replicate_allreduce": sent_bytes("allreduce", w.params * w.grad_bytes / s, r),
+    }
+
+
+def outer_sync_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes each rank sends to other groups in one outer sync: its 1/R stripe of the float32
+    shards in a ring all-reduce over G, or compressed shards in a ring all-gather (every group
+    needs every payload to decode; not striped)."""
+    if w.compression == "none":
+        return 2 * ring_fraction(lay.groups) * w.params * 4 / (lay.shard * lay.replicate)
+    return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard
+
+
+def outer_stripe_gather_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes each rank sends inside its group in one outer sync: the all-gather of the averaged
+    stripes among the R replicas (none for FSDP, compressed syncs or G = 1)."""
+    if lay.groups == 1 or w.compression != "none":
+        return 0.0
+    return sent_bytes("allgather", w.params * 4 / (lay.shard * lay.replicate), lay.replicate)
+
+
+def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
+    return 0.0 if n <= 1 or nbytes == 0 else nbytes / bw + steps_per_rank * (n - 1) * lat
+
+
+def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
+    """Step time, communication and throughput of one layout."""
+    if lay.world % lay.groups or lay.group_size % lay.replicate:
+        raise ValueError(f"invalid layout {lay}: need N = G x K and K = R x S")
+    s, r, g = lay.shard, lay.replicate, lay.groups
+    b = intra_group_bytes(w, lay, net.backend)
+    # Shard dim: S consecutive ranks; replicate dim: R ranks S apart; groups: G ranks K apart.
+    bw_s, lat_s = net.tier(s)
+    bw_r, lat_r = net.tier(r, stride=s)
+    bw_g, lat_g = net.tier(g, stride=lay.group_size)
+    intra = (
+        _collective_s(b["allgather"], s, bw_s, lat_s, int(round(w.allgathers)))
+        + _collective_s(b["reduce_scatter"], s, bw_s, lat_s, 2 if net.backend == "gloo" else 1)
+        + _collective_s(b["replicate_allreduce"], r, bw_r, lat_r, 2)
+    ) * (1.0 - w.overlap)
+    gather = outer_stripe_gather_bytes(w, lay)  # once a round, not overlapped
+    intra += _collective_s(gather, r, bw_r, lat_r, 1) / lay.local_steps
+    ring_steps = 2 if w.compression == "none" else 1  # all-reduce vs all-gather
+    inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, ring_steps) / lay.local_steps
+    step = w.compute_s + intra + inter
+    return Prediction(
+        step_s=step,
+        intra_s=intra,
+        inter_s=inter,
+        intra_bytes=sum(b.values()) + gather / lay.local_steps,
+        inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
+        tokens_per_s=lay.world * w.tokens_per_step / step,
+        extra={"bytes": b},
+    )
+
+
+def speedup(w: Workload, fl: Layout, net: Network) -> float:
+    """Throughput of ``fl`` over the same N ranks as one FSDP/HSDP job (G = 1, T = 1)."""
+    base = Layout(world=fl.world, groups=1, replicate=fl.replicate, local_steps=1)
+    return predict(w, fl, net).tokens_per_s / predict(w, base, net).tokens_per_s
+
+
+def llama_params(
+    hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, tied: bool = False
+) -> int:
+    """Parameters of a Llama decoder (no biases; RMSNorm weights included)."""
+    head_dim = hidden // heads
+    attn = hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim
+    block = attn + 3 * hidden * mlp + 2 * hidden
+    return layers * block + vocab * hidden * (1 if tied else 2) + hidden

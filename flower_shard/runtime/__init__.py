@@ -1,0 +1,1 @@
+"""The torch group runtime: topology, sharding, models, train loop, outer sync, checkpoints."""

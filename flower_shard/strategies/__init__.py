@@ -1,1 +1,0 @@
-"""Flower ServerApp strategies (FL+FSDP rounds on a Flower server)."""

@@ -1,0 +1,1 @@
+"""What users see: the CLI, metrics and progress, reports, export, generated docs, the demo."""
