@@ -162,6 +162,9 @@ def env_with_bin() -> dict[str, str]:
     return env
 
 
+GROUP_MODULE = "flower_shard.flower.group.service"  # what torchrun runs on every rank
+
+
 class _PortTaken(RuntimeError):
     """The SuperNode could not bind its local API port."""
 
@@ -240,7 +243,7 @@ class Node:
             "--standalone",
             f"--nproc-per-node={k}",
             "-m",
-            "flower_shard.flower.group.service",
+            GROUP_MODULE,
             "--address",
             self.address,
             "--work-dir",
@@ -367,7 +370,7 @@ class Node:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"group_service" in cmd and b"torch.distributed.run" not in cmd:
+            if GROUP_MODULE.encode() in cmd and b"torch.distributed.run" not in cmd:
                 pids.append(pid)
         return pids
 
