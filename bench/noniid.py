@@ -36,7 +36,8 @@ import numpy as np
 
 from flower_shard.data.corpus import load_blocks, load_documents, prepare_corpus
 from flower_shard.data.partition import block_documents, partition_data
-from flower_shard.ux.metrics import EVAL_PPL, read_metrics
+from flower_shard.protocol import EVAL_PPL
+from flower_shard.ux.metrics import read_metrics
 
 HERE = Path(__file__).parent
 

@@ -28,7 +28,6 @@ from flower_shard import protocol as P
 from flower_shard.launch.deployment import LocalDeployment
 from flower_shard.launch.processes import free_port
 from flower_shard.runtime import checkpoint as C
-from flower_shard.ux import metrics as M
 from flower_shard.ux.metrics import read_metrics
 
 
@@ -52,7 +51,7 @@ def main() -> None:
         with LocalDeployment(work, args.groups, 1, fault_files=faults) as dep:
 
             def on_round(record: dict) -> None:
-                if record[M.ROUND] in kill_rounds:
+                if record[P.ROUND] in kill_rounds:
                     # Only nodes with a live group and restarts left.
                     nodes = [
                         i
@@ -62,8 +61,8 @@ def main() -> None:
                     if nodes:
                         i = rng.choice(nodes)
                         os.kill(rng.choice(dep.nodes[i].rank_pids()), signal.SIGKILL)
-                        injected.append({"round": record[M.ROUND], "node": i})
-                        print(f"soak: killed a rank of node {i} after round {record[M.ROUND]}")
+                        injected.append({"round": record[P.ROUND], "node": i})
+                        print(f"soak: killed a rank of node {i} after round {record[P.ROUND]}")
 
             out = work / "run"
             summary = dep.run(

@@ -1,17 +1,26 @@
-"""Names and encodings shared by the server, the ClientApp and the group: no magic strings.
+"""Every name that two parts of flower-shard must agree on, defined once: no magic strings.
 
-Run-config keys are kebab-case (Flower's convention); the same keys travel in each train
-message's ConfigRecord, so a group builds exactly the run the server was started with.
+Two vocabularies, one rule each:
+
+- **configuration keys** are kebab-case (Flower's convention for run configs): the run config
+  (``pyproject.toml`` ``[tool.flwr.app.config]``), the per-message config that every train or
+  evaluate message carries to the groups (the same keys, so a group builds exactly the run the
+  server was started with, plus the per-round keys below) and the node config;
+- **metric names** are snake_case: the metrics a group replies with, the fields of
+  ``metrics.jsonl``, TensorBoard's tags and the report read the same names, so a quantity has
+  one name from the rank that measures it to the plot that shows it.
+
+A pure leaf module (no imports): the ClientApp, the group, the server and the tools all read it.
 """
 
 from __future__ import annotations
 
-import json
-import struct
+# -- transports ------------------------------------------------------------------------------
+FLOWER = "flower"  # weights inside Flower Messages
+COLLECTIVE = "collective"  # groups all-reduce their shards; Flower carries configs only
+TRANSPORTS = (FLOWER, COLLECTIVE)
 
-import numpy as np
-
-# -- records inside a Flower Message -----------------------------------------------------------
+# -- records inside a Flower Message ---------------------------------------------------------
 ARRAYS = "arrays"
 PACKED = "packed"  # flower transport: every weight in one flat float32 Array, names sorted
 CONFIG = "config"
@@ -24,27 +33,22 @@ NUM_GROUPS = "num-groups"
 COLLECTIVE_PREFIX = "collective-prefix"
 SYNC_RANK = "sync-rank"  # collective: this group's place among the round's live groups
 SYNC_SIZE = "sync-size"  # collective: how many live groups sync this round
-# Begins the error a group returns when it gave up a cross-group sync (it is alive).
-SYNC_ABANDONED = "cross-group sync abandoned"
 RUN_ID = "run-id"  # Flower's id of the run: two runs never share a group's trainer
 RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
 ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adaptive-t's choice)
 ROUND_SECONDS = "round-seconds"  # time-budgeted rounds: train this long (0: round-steps)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
-
-# -- reply metrics ------------------------------------------------------------------------------
-NUM_TOKENS = "num-tokens"  # the aggregation weight: tokens the group processed this round
-TRAIN_LOSS = "train-loss"
-EVAL_LOSS = "eval-loss"
-COMPUTE_S = "compute-s"
-INTRA_BYTES = "intra-bytes"  # what the group's FSDP/HSDP collectives sent per rank this round
-INTRA_COMM_S = "intra-comm-s"  # the time in them (flower_shard.runtime.intra_comm)
-GROUP_ROUND_S = "group-round-s"
-SYNC_S = "sync-s"
-SYNC_BYTES = "sync-bytes"
-CHECKPOINT_S = "checkpoint-s"
-STEP = "step"
-CLIENTAPP_PID = "clientapp-pid"  # the process that served the message (one per node when warm)
+# The keys that change from round to round: everything else identifies the run.
+PER_ROUND_KEYS = (
+    SERVER_ROUND,
+    COLLECTIVE_PREFIX,
+    SYNC_RANK,
+    SYNC_SIZE,
+    ROUND_STEPS,
+    ROUND_SECONDS,
+)
+# Begins the error a group returns when it gave up a cross-group sync (it is alive).
+SYNC_ABANDONED = "cross-group sync abandoned"
 
 # -- run config (pyproject [tool.flwr.app.config]) -------------------------------------------
 NUM_SERVER_ROUNDS = "num-server-rounds"
@@ -62,8 +66,6 @@ COLLECTIVE_ADDRESS = "collective-address"
 POLL_INTERVAL = "poll-interval"
 TEXT_COLUMN = "text-column"  # the records' text field; the groups read their node's --data with it
 TENSORBOARD = "tensorboard"  # the ServerApp also writes out-dir/tensorboard (server side only)
-
-TRANSPORTS = ("flower", "collective")
 
 # TrainConfig fields that a group needs, under their kebab-case run-config names.
 GROUP_FIELDS = (
@@ -96,6 +98,7 @@ GROUP_FIELDS = (
 
 
 def kebab(field: str) -> str:
+    """A dataclass field's configuration key: ``seq_len`` -> ``seq-len``."""
     return field.replace("_", "-")
 
 
@@ -104,6 +107,55 @@ GROUP_ADDRESS = "group-address"
 PARTITION_ID = "partition-id"  # set by Flower's simulation engine for each virtual client
 GROUP_ADDRESSES = "group-addresses"  # run config, simulation: comma-separated, by partition-id
 
+# -- metric names: a group's reply, a metrics.jsonl record, a TensorBoard tag -----------------
+ROUND = "round"
+STEP = "step"  # inner steps so far
+TOKENS = "tokens"  # tokens so far (metrics.jsonl); a group's entry in GROUPS: this round's
+NUM_TOKENS = "num_tokens"  # a group's reply: the tokens it processed this round (its weight)
+TOKENS_PER_S = "tokens_per_s"
+TRAIN_LOSS = "train_loss"
+EVAL_LOSS = "eval_loss"
+EVAL_PPL = "eval_ppl"
+LR = "lr"
+ROUND_LOCAL_STEPS = "local_steps"  # T of this round (varies with adaptive-t, round-seconds)
+ROUND_S = "round_s"
+COMPUTE_S = "compute_s"  # the inner steps' wall clock, their intra-group collectives included
+OUTER_SYNC_S = "outer_sync_s"
+OUTER_SYNC_BYTES = "outer_sync_bytes"  # bytes one rank sent to other groups this round
+OUTER_SYNC_PAYLOAD_BYTES = "outer_sync_payload_bytes"
+INTRA_BYTES = "intra_bytes_per_rank"  # per round: what FSDP/HSDP's collectives sent (intra_comm)
+INTRA_COMM_S = "intra_comm_s"  # per round: time in them (CPU: blocked, a part of compute_s)
+INTRA_COMM = "intra_comm"  # per round: {allgather, reduce_scatter, replicate_allreduce}: calls, ...
+INTER_BYTE_SHARE = "inter_byte_share"  # outer sync bytes / all bytes a rank sends
+CHECKPOINT_S = "checkpoint_s"
+GROUP = "group"  # a group's index
+STEPS = "steps"  # a group's inner steps this round
+GROUP_ROUND_S = "group_round_s"  # a group's own time for the round (load, train, sync, save)
+CLIENTAPP_PID = "clientapp_pid"  # the process that served the message (one per node when warm)
+# What the ServerApp adds to a round's record.
+GROUPS_OK = "groups_ok"
+GROUPS_REJECTED = "groups_rejected"
+GROUPS_DROPPED = "groups_dropped"
+REJECTED = "rejected"  # the reasons, one line per rejected reply
+EXCHANGE_BYTES = "exchange_bytes"  # bytes of weights in Flower messages this round (both ways)
+PUSH_S = "push_s"
+REPLY_WAIT_S = "reply_wait_s"
+EVAL_S = "eval_s"
+CONTROL_OVERHEAD_S = "control_overhead_s"
+GROUPS = "groups"  # per valid group: GROUP, STEPS, TOKENS, COMPUTE_S, CLIENTAPP_PID
+
+# Every record of metrics.jsonl has these.
+REQUIRED_FIELDS = (
+    ROUND,
+    STEP,
+    TOKENS,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    LR,
+    OUTER_SYNC_S,
+    OUTER_SYNC_BYTES,
+)
+
 # -- the group's local control service --------------------------------------------------------
 SERVICE = "flower_shard.Group"
 HEALTH = "Health"
@@ -111,22 +163,13 @@ TRAIN = "Train"
 EVALUATE = "Evaluate"
 GET_WEIGHTS = "GetWeights"
 METHODS = (HEALTH, TRAIN, EVALUATE, GET_WEIGHTS)
-GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-
-
-def encode(header: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
-    """A control-service message: 4-byte header length, JSON header, then safetensors bytes."""
-    from safetensors.numpy import save
-
-    head = json.dumps(header).encode()
-    body = save(arrays) if arrays else b""
-    return struct.pack("<I", len(head)) + head + body
-
-
-def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-    from safetensors.numpy import load
-
-    (n,) = struct.unpack_from("<I", data)
-    header = json.loads(data[4 : 4 + n])
-    body = data[4 + n :]
-    return header, (load(body) if body else {})
+# Header keys of a control-service request and reply.
+H_METHOD = "method"
+H_CONFIG = "config"
+H_HAS_ARRAYS = "has_arrays"
+H_METRICS = "metrics"
+H_ERROR = "error"
+# Health reply.
+H_READY = "ready"
+H_RANKS = "ranks"
+H_STEP = "step"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
 from flower_shard.data.corpus import prepare_corpus
 from flower_shard.launch.torchrun import run_supervised, worker_env
@@ -85,7 +87,7 @@ def assert_tensorboard_is_metrics(run_dir) -> None:
     from flower_shard.ux import metrics as M
 
     rounds = M.read_metrics(run_dir)
-    events = EventAccumulator(str(Path(run_dir, M.TENSORBOARD_DIR)), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(Path(run_dir, F.TENSORBOARD_DIR)), size_guidance={"scalars": 0})
     events.Reload()
 
     def numeric(value) -> bool:
@@ -94,8 +96,8 @@ def assert_tensorboard_is_metrics(run_dir) -> None:
     expected = {}
     for r in rounds:
         for key, value in r.items():
-            if key != M.ROUND and numeric(value):
-                expected.setdefault(key, []).append((r[M.ROUND], np.float32(value)))
+            if key != P.ROUND and numeric(value):
+                expected.setdefault(key, []).append((r[P.ROUND], np.float32(value)))
     assert expected, "no numeric fields in metrics.jsonl"
     assert set(events.Tags()["scalars"]) == set(expected)
     for tag, values in expected.items():

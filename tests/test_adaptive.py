@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from conftest import train_cli
 
+from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.planning.adaptive import AdaptiveT, exchange_share
 from flower_shard.ux import metrics as M
+from flower_shard.ux.formatting import format_round
 
 
 def test_ideal_t_is_the_smallest_meeting_the_target():
@@ -53,7 +55,7 @@ def run(out, start_t: int, rounds: int, share: float):
     records = M.read_metrics(out)
     # The printed rounds do not claim a total: with adaptive T the number of rounds varies.
     lines = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
-    assert lines == [M.format_round(r) for r in records]
+    assert lines == [format_round(r) for r in records]
     return records
 
 
@@ -61,6 +63,6 @@ def test_trainer_follows_the_rule_within_the_step_budget(tmp_path):
     # A target no exchange can meet (0.1 %): T doubles every round towards the bound, and the
     # budget (rounds x local-steps = 14 inner steps) ends the run: the last round is cut to fit.
     rounds = run(tmp_path, start_t=1, rounds=14, share=0.001)
-    assert [r[M.LOCAL_STEPS] for r in rounds] == [1, 2, 4, 7]
-    assert [r[M.STEP] for r in rounds] == [1, 3, 7, 14]
-    assert all(r[M.OUTER_SYNC_S] > 0 for r in rounds)
+    assert [r[P.ROUND_LOCAL_STEPS] for r in rounds] == [1, 2, 4, 7]
+    assert [r[P.STEP] for r in rounds] == [1, 3, 7, 14]
+    assert all(r[P.OUTER_SYNC_S] > 0 for r in rounds)

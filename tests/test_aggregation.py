@@ -8,14 +8,12 @@ import pytest
 from flower_shard.flower.server.aggregation import (
     check_arrays,
     check_weight,
-    describe,
     norm_outliers,
-    pack,
     trimmed_mean,
-    unpack,
     update_norms,
     weighted_mean,
 )
+from flower_shard.flower.wire import describe, pack, unpack
 
 
 def model(value: float) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import flat_state, torchrun, train_cli
 
+from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
@@ -115,7 +116,7 @@ def test_resume_is_bit_exact_and_skips_a_corrupt_checkpoint(straight_run, tmp_pa
     proc = train_cli(resumed, *RUN, "--resume", str(crashed))
     assert "checkpoint refused" in proc.stderr and "round_000003" in proc.stderr
     rounds = M.read_metrics(resumed)
-    assert [r[M.ROUND] for r in rounds] == [1, 2, 3, 4]  # 1-2 carried over, 3-4 run again
+    assert [r[P.ROUND] for r in rounds] == [1, 2, 3, 4]  # 1-2 carried over, 3-4 run again
     assert rounds[:2] == M.read_metrics(straight_run)[:2]
     for g in (0, 1):
         assert_same_state(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import train_cli
 
+from flower_shard import protocol as P
 from flower_shard.planning.costmodel import (
     Layout,
     Network,
@@ -173,18 +174,18 @@ def test_byte_counts_match_a_real_run(tmp_path):
     lay = Layout(world=4, groups=2)
     # FSDP2 pads uneven shards; the runtime sends each rank's real shard, so the model's
     # P/S is exact up to the rounding of the split (a few elements per tensor).
-    assert record[M.OUTER_SYNC_BYTES] == pytest.approx(outer_sync_bytes(w, lay), rel=0.01)
+    assert record[P.OUTER_SYNC_BYTES] == pytest.approx(outer_sync_bytes(w, lay), rel=0.01)
     # Exact, from the shapes: S = 2, gloo (a reduce-scatter is an all-reduce: 2 x 1/2).
     units = _fsdp_payloads(build_model("tiny"), 2)
-    steps = record[M.STEP]
-    comm = record[M.INTRA_COMM]
+    steps = record[P.STEP]
+    comm = record[P.INTRA_COMM]
     assert comm["allgather"]["calls"] == steps * sum(g for _, _, g in units)
     assert comm["allgather"]["bytes"] == steps * sum(g * (2 - 1) * a for a, _, g in units)
     assert comm["reduce_scatter"]["calls"] == steps * len(units)
     assert comm["reduce_scatter"]["bytes"] == steps * sum(2 * 1 / 2 * r for _, r, _ in units)
     assert comm["replicate_allreduce"]["calls"] == 0
-    assert record[M.INTRA_BYTES] == comm["allgather"]["bytes"] + comm["reduce_scatter"]["bytes"]
-    assert 0 < record[M.INTRA_COMM_S] < record[M.COMPUTE_S]
+    assert record[P.INTRA_BYTES] == comm["allgather"]["bytes"] + comm["reduce_scatter"]["bytes"]
+    assert 0 < record[P.INTRA_COMM_S] < record[P.COMPUTE_S]
     # The cost model's reduce-scatter is the same up to FSDP2's padding of dim 0.
     model = intra_group_bytes(w, lay, backend="gloo")
     assert comm["reduce_scatter"]["bytes"] == pytest.approx(steps * model["reduce_scatter"], 0.01)
@@ -202,7 +203,7 @@ def test_hsdp_replicate_allreduce_is_counted_in_a_real_run(tmp_path):
     )
     (record,) = M.read_metrics(out)
     units = _fsdp_payloads(build_model("tiny"), 2)
-    comm, steps = record[M.INTRA_COMM], record[M.STEP]
+    comm, steps = record[P.INTRA_COMM], record[P.STEP]
     assert comm["allgather"]["bytes"] == steps * sum(g * a for a, _, g in units)
     assert comm["reduce_scatter"]["bytes"] == steps * sum(r for _, r, _ in units)
     shard_bytes = [r // 2 for _, r, _ in units]  # the reduce-scatter's output over S = 2

@@ -27,7 +27,7 @@ from conftest import flat_state
 from safetensors.numpy import load_file
 
 from flower_shard import protocol as P
-from flower_shard.flower.group.service import RUN_FILE
+from flower_shard import runfiles as F
 from flower_shard.launch.deployment import LocalDeployment
 from flower_shard.launch.processes import free_port, marked_pids
 from flower_shard.runtime import checkpoint as C
@@ -105,7 +105,7 @@ def kill_serverapp_after(rnd: int, dump: Path | None = None):
 def group_checkpoint(dep: LocalDeployment, node: int, run_name: Path, rnd: int) -> Path:
     """Node ``node``'s checkpoint of round ``rnd`` of the run first started in ``run_name``."""
     for root in (dep.work_dir / f"node{node}" / "checkpoints").iterdir():
-        if json.loads((root / RUN_FILE).read_text())[P.RUN_NAME] == str(run_name):
+        if json.loads((root / F.RUN_FILE).read_text())[P.RUN_NAME] == str(run_name):
             return C.round_dir(root, rnd)
     raise AssertionError(f"node {node} has no checkpoints of {run_name}")
 

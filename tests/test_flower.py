@@ -125,7 +125,7 @@ def test_flower_transport_int8_deltas_with_error_feedback(deployment, tmp_path):
     """Groups send int8 pseudo-gradients (global - trained) with error feedback; the server
     applies the token-weighted mean of the decoded deltas. Rebuilt here from the dumps. Round 3
     spoils one group's weights (NaN): its payload is refused and the round goes on."""
-    from flower_shard.flower.server.aggregation import flatten, unflatten
+    from flower_shard.flower.wire import flatten, unflatten
     from flower_shard.runtime import compression as Z
 
     chunk, rounds_n = 256, 3

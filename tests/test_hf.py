@@ -131,7 +131,7 @@ def test_llama_config_with_tokenizer_and_jsonl_trains_and_exports(hf, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(rows).logits, ours.eval()(rows).logits)
         loss = lm_loss(model, rows[:, :-1], rows[:, 1:]).item()
-    assert loss == pytest.approx(M.read_metrics(out)[-1][M.EVAL_LOSS], rel=1e-4)
+    assert loss == pytest.approx(M.read_metrics(out)[-1][P.EVAL_LOSS], rel=1e-4)
 
     # The tokenizer came along and encodes as the run's did.
     line = hf.lines[0]
@@ -253,12 +253,12 @@ def test_a_node_trains_on_a_jsonl_file_with_the_run_configs_text_column(hf, tmp_
     try:
         client = GroupClient(node.address)
         try:
-            head, arrays = client.call(P.TRAIN, {"config": config}, timeout=120)
+            head, arrays = client.call(P.TRAIN, {P.H_CONFIG: config}, timeout=120)
         finally:
             client.close()
     finally:
         node.stop()
-    assert head["metrics"][P.NUM_TOKENS] == 2 * 2 * 32  # T x batch x seq_len x K
+    assert head[P.H_METRICS][P.NUM_TOKENS] == 2 * 2 * 32  # T x batch x seq_len x K
     assert arrays  # the flower transport's reply: the trained weights
     # The group's corpus is the `upper` column's, token for token (bytes: upper-case letters).
     expected = prepare_corpus(tmp_path / "ref", str(hf.data), text_column="upper")

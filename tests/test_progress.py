@@ -10,51 +10,53 @@ from io import StringIO
 import pytest
 from rich.console import Console
 
+from flower_shard import protocol as P
 from flower_shard.ux import metrics as M
+from flower_shard.ux.formatting import format_round
 from flower_shard.ux.progress import RoundDisplay, format_table, is_interactive
 
 # Two rounds of `flower-shard train` (G = 2: an outer sync; evaluated in round 1 only) ...
 TRAIN = [
     {
-        M.ROUND: 1,
-        M.STEP: 4,
-        M.TOKENS: 4096,
-        M.TOKENS_PER_S: 1530.4,
-        M.TRAIN_LOSS: 4.12345,
-        M.LR: 1e-3,
-        M.ROUND_S: 1.25,
-        M.OUTER_SYNC_S: 0.0123,
-        M.OUTER_SYNC_BYTES: 4096,
-        M.EVAL_PPL: 61.7,
+        P.ROUND: 1,
+        P.STEP: 4,
+        P.TOKENS: 4096,
+        P.TOKENS_PER_S: 1530.4,
+        P.TRAIN_LOSS: 4.12345,
+        P.LR: 1e-3,
+        P.ROUND_S: 1.25,
+        P.OUTER_SYNC_S: 0.0123,
+        P.OUTER_SYNC_BYTES: 4096,
+        P.EVAL_PPL: 61.7,
     },
     {
-        M.ROUND: 2,
-        M.STEP: 8,
-        M.TOKENS: 8192,
-        M.TOKENS_PER_S: 12345.6,
-        M.TRAIN_LOSS: 3.5,
-        M.LR: 5e-4,
-        M.ROUND_S: 0.95,
-        M.OUTER_SYNC_S: 0.008,
-        M.OUTER_SYNC_BYTES: 4096,
+        P.ROUND: 2,
+        P.STEP: 8,
+        P.TOKENS: 8192,
+        P.TOKENS_PER_S: 12345.6,
+        P.TRAIN_LOSS: 3.5,
+        P.LR: 5e-4,
+        P.ROUND_S: 0.95,
+        P.OUTER_SYNC_S: 0.008,
+        P.OUTER_SYNC_BYTES: 4096,
     },
 ]
 # ... and one of the Flower ServerApp (weights through Flower, a group rejected, no loss).
 FLOWER = {
-    M.ROUND: 1,
-    M.STEP: 2,
-    M.TOKENS: 512,
-    M.TOKENS_PER_S: 800.0,
-    M.TRAIN_LOSS: None,
-    M.LR: 3e-3,
-    M.OUTER_SYNC_S: 0.0,
-    M.OUTER_SYNC_BYTES: 0,
+    P.ROUND: 1,
+    P.STEP: 2,
+    P.TOKENS: 512,
+    P.TOKENS_PER_S: 800.0,
+    P.TRAIN_LOSS: None,
+    P.LR: 3e-3,
+    P.OUTER_SYNC_S: 0.0,
+    P.OUTER_SYNC_BYTES: 0,
     "exchange_bytes": 2_500_000,
     "groups_ok": 2,
     "groups_rejected": 1,
     "rejected": ["node 7: non-finite values"],
-    M.ROUND_S: 3.04,
-    M.EVAL_PPL: 200.0,
+    P.ROUND_S: 3.04,
+    P.EVAL_PPL: 200.0,
 }
 
 TRAIN_TABLE = [
@@ -99,12 +101,12 @@ def test_off_a_terminal_the_rounds_are_the_plain_lines_as_before(tmp_path, capsy
     logger = M.MetricsLogger(tmp_path, echo=True, total_rounds=3, total_steps=12)
     assert not logger.display.live
     for r in TRAIN:
-        for step in range(r[M.STEP] - 3, r[M.STEP] + 1):
+        for step in range(r[P.STEP] - 3, r[P.STEP] + 1):
             logger.step(step)  # nothing to draw off a terminal
         logger.log(r)
     logger.close()
     assert capsys.readouterr().out.splitlines() == TRAIN_LINES
-    assert [M.format_round(r, 3) for r in TRAIN] == TRAIN_LINES
+    assert [format_round(r, 3) for r in TRAIN] == TRAIN_LINES
     assert M.read_metrics(tmp_path) == TRAIN
 
 
@@ -116,7 +118,7 @@ def test_live_display_draws_the_last_round_then_the_table_and_starts_no_thread()
     try:
         assert threading.active_count() == threads  # rich's refresh thread is off
         for r in TRAIN:
-            for step in range(r[M.STEP] - 3, r[M.STEP] + 1):
+            for step in range(r[P.STEP] - 3, r[P.STEP] + 1):
                 display.step(step)
             display.round(r)
     finally:

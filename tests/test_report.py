@@ -14,6 +14,8 @@ import sys
 import pytest
 from conftest import train_cli
 
+from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.ux import metrics as M
 from flower_shard.ux import report as R
 from flower_shard.ux.cli import main as cli_main
@@ -38,16 +40,16 @@ def trainer_run(tmp_path_factory):
 def flower_record(rnd, tokens, eval_ppl=None, train_loss=3.0, **over) -> dict:
     """One round as ShardedFedAvg writes it (round 4 s: groups 1.5 s, control 2 s, eval 0.5 s)."""
     record = {
-        M.ROUND: rnd,
-        M.STEP: 4 * rnd,
-        M.TOKENS: tokens,
-        M.TOKENS_PER_S: 0.0,
-        M.TRAIN_LOSS: train_loss,
-        M.LR: 1e-3,
-        M.ROUND_S: 4.0,
-        M.COMPUTE_S: 1.0,
-        M.OUTER_SYNC_S: 0.25,
-        M.OUTER_SYNC_BYTES: 1000,
+        P.ROUND: rnd,
+        P.STEP: 4 * rnd,
+        P.TOKENS: tokens,
+        P.TOKENS_PER_S: 0.0,
+        P.TRAIN_LOSS: train_loss,
+        P.LR: 1e-3,
+        P.ROUND_S: 4.0,
+        P.COMPUTE_S: 1.0,
+        P.OUTER_SYNC_S: 0.25,
+        P.OUTER_SYNC_BYTES: 1000,
         "groups_ok": 2,
         "groups_rejected": 0,
         "rejected": [],
@@ -58,7 +60,7 @@ def flower_record(rnd, tokens, eval_ppl=None, train_loss=3.0, **over) -> dict:
         "control_overhead_s": 2.0,
     }
     if eval_ppl is not None:
-        record[M.EVAL_LOSS], record[M.EVAL_PPL] = 1.0, eval_ppl
+        record[P.EVAL_LOSS], record[P.EVAL_PPL] = 1.0, eval_ppl
     return record | over
 
 
@@ -74,10 +76,10 @@ FLOWER_RECORDS = [
 def flower_run(tmp_path):
     out = tmp_path / "flower"
     out.mkdir()
-    (out / M.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in FLOWER_RECORDS))
-    (out / R.SUMMARY_FILE).write_text(json.dumps({"status": "ok", "transport": "flower"}))
+    (out / F.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in FLOWER_RECORDS))
+    (out / F.SUMMARY_FILE).write_text(json.dumps({"status": "ok", "transport": "flower"}))
     # Left by an earlier `flower-shard train` into the same directory: must not be used.
-    (out / R.CONFIG_FILE).write_text(json.dumps({"groups": 8, "nproc_per_group": 8}))
+    (out / F.CONFIG_FILE).write_text(json.dumps({"groups": 8, "nproc_per_group": 8}))
     return out
 
 
@@ -89,25 +91,25 @@ def test_summary_of_a_real_run_matches_its_metrics_file(trainer_run):
     series = R.series(records)
 
     tokens = ROUNDS * STEPS * BATCH * SEQ * GROUPS * RANKS
-    assert s["tokens"] == records[-1][M.TOKENS] == sum(series["round_tokens"]) == tokens
+    assert s["tokens"] == records[-1][P.TOKENS] == sum(series["round_tokens"]) == tokens
     assert s["rounds"] == ROUNDS and s["steps"] == ROUNDS * STEPS
     # A trainer round's tokens/s is recomputed bit for bit from its tokens and round_s.
-    assert series["tokens_per_s"] == [r[M.TOKENS_PER_S] for r in records]
-    assert s["tokens_per_s_median"] == statistics.median(r[M.TOKENS_PER_S] for r in records)
-    wall = sum(r[M.ROUND_S] for r in records)
+    assert series["tokens_per_s"] == [r[P.TOKENS_PER_S] for r in records]
+    assert s["tokens_per_s_median"] == statistics.median(r[P.TOKENS_PER_S] for r in records)
+    wall = sum(r[P.ROUND_S] for r in records)
     assert s["wall_s"] == pytest.approx(wall, rel=1e-12)
     assert s["tokens_per_s_overall"] == pytest.approx(tokens / wall, rel=1e-12)
-    sync = sum(r[M.OUTER_SYNC_S] for r in records)
+    sync = sum(r[P.OUTER_SYNC_S] for r in records)
     assert s["comm_s"] == pytest.approx(sync, rel=1e-12) and sync > 0
     assert s["comm_share"] == pytest.approx(sync / wall, rel=1e-12)
-    assert series["comm_share"] == [r[M.OUTER_SYNC_S] / r[M.ROUND_S] for r in records]
+    assert series["comm_share"] == [r[P.OUTER_SYNC_S] / r[P.ROUND_S] for r in records]
     # Every rank sends outer_sync_bytes per round; the run's total is that times N.
-    nbytes = sum(r[M.OUTER_SYNC_BYTES] for r in records) * GROUPS * RANKS
+    nbytes = sum(r[P.OUTER_SYNC_BYTES] for r in records) * GROUPS * RANKS
     assert (s["inter_group_bytes"], s["inter_group_bytes_scope"]) == (nbytes, "all ranks")
     assert nbytes > 0
-    assert s["final_train_loss"] == records[-1][M.TRAIN_LOSS]
-    assert s["final_eval_ppl"] == records[-1][M.EVAL_PPL]
-    assert series["eval_tokens"] == [r[M.TOKENS] for r in records]
+    assert s["final_train_loss"] == records[-1][P.TRAIN_LOSS]
+    assert s["final_eval_ppl"] == records[-1][P.EVAL_PPL]
+    assert series["eval_tokens"] == [r[P.TOKENS] for r in records]
     assert s["groups_rejected"] is None
 
 
@@ -180,7 +182,7 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(
 
 def _write(path, text):
     path.mkdir(parents=True, exist_ok=True)
-    (path / M.METRICS_FILE).write_text(text)
+    (path / F.METRICS_FILE).write_text(text)
     return path
 
 
@@ -205,10 +207,10 @@ def test_bad_input_fails_with_one_line_and_status_2(case, expected, tmp_path, ca
     elif case == "malformed":
         _write(run, good + good[:40] + "\n")
     elif case == "missing-field":
-        _write(run, json.dumps({k: v for k, v in FLOWER_RECORDS[0].items() if k != M.TOKENS}))
+        _write(run, json.dumps({k: v for k, v in FLOWER_RECORDS[0].items() if k != P.TOKENS}))
     elif case == "bad-summary":
         _write(run, good)
-        (run / R.SUMMARY_FILE).write_text("{")
+        (run / F.SUMMARY_FILE).write_text("{")
     assert cli_main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("flower-shard: error: "), err
@@ -223,11 +225,4 @@ def test_bad_input_exit_status_of_the_command(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert f"{tmp_path / M.METRICS_FILE}: no such file" in proc.stderr
-
-
-def test_side_file_names_are_the_writers():
-    from flower_shard.flower.server.server_app import SUMMARY_FILE
-    from flower_shard.launch.torchrun import CONFIG_FILE
-
-    assert (R.CONFIG_FILE, R.SUMMARY_FILE) == (CONFIG_FILE, SUMMARY_FILE)
+    assert f"{tmp_path / F.METRICS_FILE}: no such file" in proc.stderr

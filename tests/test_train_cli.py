@@ -6,8 +6,10 @@ import json
 
 from conftest import assert_tensorboard_is_metrics, train_cli
 
-from flower_shard.launch.torchrun import CONFIG_FILE
+from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.ux import metrics as M
+from flower_shard.ux.formatting import format_round
 
 
 def test_train_end_to_end(tmp_path):
@@ -35,19 +37,19 @@ def test_train_end_to_end(tmp_path):
         "--tensorboard",
     )
     rounds = M.read_metrics(out)
-    assert [r[M.ROUND] for r in rounds] == [1, 2, 3]
+    assert [r[P.ROUND] for r in rounds] == [1, 2, 3]
     for r in rounds:
-        for field in (*M.REQUIRED_FIELDS, M.EVAL_PPL):
-            assert field in r, f"{field} missing from round {r[M.ROUND]}"
-        assert r[M.OUTER_SYNC_BYTES] > 0 and r[M.OUTER_SYNC_S] > 0 and r[M.TOKENS_PER_S] > 0
-    assert [r[M.STEP] for r in rounds] == [4, 8, 12]
-    assert rounds[-1][M.TOKENS] == 12 * 4 * 64 * 4  # steps x batch x seq_len x N
-    assert rounds[-1][M.TRAIN_LOSS] < rounds[0][M.TRAIN_LOSS]
-    assert rounds[-1][M.EVAL_PPL] < rounds[0][M.EVAL_PPL]
+        for field in (*P.REQUIRED_FIELDS, P.EVAL_PPL):
+            assert field in r, f"{field} missing from round {r[P.ROUND]}"
+        assert r[P.OUTER_SYNC_BYTES] > 0 and r[P.OUTER_SYNC_S] > 0 and r[P.TOKENS_PER_S] > 0
+    assert [r[P.STEP] for r in rounds] == [4, 8, 12]
+    assert rounds[-1][P.TOKENS] == 12 * 4 * 64 * 4  # steps x batch x seq_len x N
+    assert rounds[-1][P.TRAIN_LOSS] < rounds[0][P.TRAIN_LOSS]
+    assert rounds[-1][P.EVAL_PPL] < rounds[0][P.EVAL_PPL]
     # Off a terminal (captured here): the plain line per round, exactly, and no live display.
     lines = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
-    assert lines == [M.format_round(r, 3) for r in rounds]
+    assert lines == [format_round(r, 3) for r in rounds]
     assert "\x1b[" not in proc.stdout
-    assert json.loads((out / CONFIG_FILE).read_text())["outer"] == "nesterov"
+    assert json.loads((out / F.CONFIG_FILE).read_text())["outer"] == "nesterov"
     # --tensorboard: the same rounds as TensorBoard scalars (tag = field, step = round).
     assert_tensorboard_is_metrics(out)

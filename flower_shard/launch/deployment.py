@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError
 from flower_shard.flower.certificates import (
     SuperNodeKeys,
@@ -30,7 +31,6 @@ from flower_shard.flower.certificates import (
 )
 from flower_shard.flower.node.launcher import Node, NodeConfig, bin_path, env_with_bin
 from flower_shard.launch.processes import ManagedProcess, free_port, start_marked, stop_tree
-from flower_shard.ux.metrics import METRICS_FILE
 
 CONNECTION = "local-deployment"
 APP_DIR = Path(__file__).resolve().parents[2]  # the Flower App: this project's pyproject
@@ -305,7 +305,7 @@ class LocalDeployment:
         ``on_round`` is called with each metrics line as the ServerApp writes it.
         """
         out = Path(run_config["out-dir"])
-        for name in ("summary.json", METRICS_FILE):
+        for name in (F.SUMMARY_FILE, F.METRICS_FILE):
             (out / name).unlink(missing_ok=True)
         cmd = [
             bin_path("flwr"),
@@ -322,7 +322,7 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             seen = self._follow(out, seen, on_round)
-            summary = out / "summary.json"
+            summary = out / F.SUMMARY_FILE
             if summary.exists():
                 self._follow(out, seen, on_round)
                 return json.loads(summary.read_text())
@@ -334,7 +334,7 @@ class LocalDeployment:
 
     @staticmethod
     def _follow(out: Path, seen: int, on_round) -> int:
-        path = out / METRICS_FILE
+        path = out / F.METRICS_FILE
         if not path.exists():
             return seen
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]

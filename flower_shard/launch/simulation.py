@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.flower.node.launcher import Node, NodeConfig, bin_path, env_with_bin
 from flower_shard.launch.deployment import APP_DIR, run_config_arg
 from flower_shard.launch.processes import ManagedProcess, free_port
@@ -48,7 +49,7 @@ def simulate(
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
     out = Path(run_config["out-dir"])
-    (out / "summary.json").unlink(missing_ok=True)
+    (out / F.SUMMARY_FILE).unlink(missing_ok=True)
     nodes = [
         Node(
             NodeConfig(
@@ -70,7 +71,7 @@ def simulate(
         attempt = 1
         flwr = ManagedProcess("flwr-run", cmd, work / "flwr-run-1.log", env, cwd=work)
         deadline = time.monotonic() + timeout
-        while not (out / "summary.json").exists():
+        while not (out / F.SUMMARY_FILE).exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the simulation did not finish in {timeout} s:\n{flwr.tail()}")
             if not flwr.alive() and flwr.proc.returncode != 0:
@@ -87,7 +88,7 @@ def simulate(
                 if reason := node.dead():
                     raise RuntimeError(f"a group died during the simulation: {reason}")
             time.sleep(0.2)
-        return json.loads((out / "summary.json").read_text())
+        return json.loads((out / F.SUMMARY_FILE).read_text())
     finally:
         if flwr is not None:
             flwr.stop()  # also the local SuperLink and its Ray workers (they carry the marker)

@@ -14,13 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.launch.processes import start_marked, stop_tree
 from flower_shard.preflight import prepare_for
-from flower_shard.runtime.trainer import DATA_SUBDIR
-from flower_shard.ux.metrics import METRICS_FILE
-
-CONFIG_FILE = "config.json"
 
 
 def torchrun_command(
@@ -76,11 +73,11 @@ def prepare_run(cfg: TrainConfig) -> Path:
     cfg.validate()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    prepare_for(out / DATA_SUBDIR, cfg)
-    metrics = out / METRICS_FILE
+    prepare_for(out / F.DATA_DIR, cfg)
+    metrics = out / F.METRICS_FILE
     if metrics.exists() and cfg.resume is None:  # a new run in the same directory: a new log
         metrics.unlink()
-    path = out / CONFIG_FILE
+    path = out / F.CONFIG_FILE
     cfg.to_json(path)
     return path
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flower_shard import protocol as P
+from flower_shard import runfiles
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.data.batches import eval_shard, rank_batches
 from flower_shard.data.corpus import CorpusInfo
@@ -35,9 +37,6 @@ from flower_shard.runtime.parallelize import parallelize
 from flower_shard.runtime.schedule import warmup_cosine
 from flower_shard.runtime.topology import Topology
 from flower_shard.ux import metrics as M
-
-DATA_SUBDIR = "data"
-FINAL_MODEL = "final_model.safetensors"  # the name the ServerApp gives the global model too
 
 
 def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
@@ -90,7 +89,7 @@ class GroupTrainer:
             self.group = group_index
         self.mesh = self.topology.build_mesh(self.device.type)
 
-        data_dir = Path(data_dir or Path(cfg.out, DATA_SUBDIR))
+        data_dir = Path(data_dir or Path(cfg.out, runfiles.DATA_DIR))
         self.corpus = CorpusInfo.load(data_dir)
         self.batches = rank_batches(
             data_dir,
@@ -198,13 +197,13 @@ class GroupTrainer:
                 self.adapt_local_steps(record)
                 if cfg.eval_every and (self.round % cfg.eval_every == 0 or last):
                     eval_loss = self.evaluate()
-                    record[M.EVAL_LOSS] = eval_loss
-                    record[M.EVAL_PPL] = M.perplexity(eval_loss)
+                    record[P.EVAL_LOSS] = eval_loss
+                    record[P.EVAL_PPL] = M.perplexity(eval_loss)
                 if cfg.checkpoint_due(self.round) or (last and cfg.checkpoint_every):
                     self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
                 if logger:
                     logger.log(record)
-            self.save_final_model(Path(cfg.out, FINAL_MODEL))
+            self.save_final_model(Path(cfg.out, runfiles.FINAL_MODEL))
         finally:  # a live display left running would leave the terminal mid-redraw
             self.on_step = None
             if logger:
@@ -249,22 +248,22 @@ class GroupTrainer:
         # HSDP's striped exchange ends with an all-gather among a group's replicas: intra-group.
         intra_bytes = steps["intra_bytes"] + (stats.replicate_bytes if stats else 0)
         return {
-            M.ROUND: self.round,
-            M.STEP: self.step,
-            M.TOKENS: self.tokens,
-            M.TOKENS_PER_S: steps["tokens"] / round_s,
-            M.TRAIN_LOSS: steps["loss"],
-            M.LR: self.scheduler.get_last_lr()[0],
-            M.ROUND_S: round_s,
-            M.COMPUTE_S: steps["seconds"],
-            M.OUTER_SYNC_S: stats.seconds if stats else 0.0,
-            M.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
-            M.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
-            M.INTRA_BYTES: intra_bytes,
-            M.INTRA_COMM_S: steps["intra_s"],
-            M.INTRA_COMM: steps["intra"],
-            M.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, intra_bytes),
-            M.LOCAL_STEPS: n,
+            P.ROUND: self.round,
+            P.STEP: self.step,
+            P.TOKENS: self.tokens,
+            P.TOKENS_PER_S: steps["tokens"] / round_s,
+            P.TRAIN_LOSS: steps["loss"],
+            P.LR: self.scheduler.get_last_lr()[0],
+            P.ROUND_S: round_s,
+            P.COMPUTE_S: steps["seconds"],
+            P.OUTER_SYNC_S: stats.seconds if stats else 0.0,
+            P.OUTER_SYNC_BYTES: stats.sent_bytes if stats else 0,
+            P.OUTER_SYNC_PAYLOAD_BYTES: stats.payload_bytes if stats else 0,
+            P.INTRA_BYTES: intra_bytes,
+            P.INTRA_COMM_S: steps["intra_s"],
+            P.INTRA_COMM: steps["intra"],
+            P.INTER_BYTE_SHARE: _share(stats.sent_bytes if stats else 0, intra_bytes),
+            P.ROUND_LOCAL_STEPS: n,
         }
 
     def adapt_local_steps(self, record: dict) -> None:
@@ -273,8 +272,8 @@ class GroupTrainer:
         agree)."""
         if self.adaptive is None:
             return
-        n = record[M.LOCAL_STEPS]
-        t = self.adaptive.next(n, record[M.COMPUTE_S] / n, record[M.OUTER_SYNC_S])
+        n = record[P.ROUND_LOCAL_STEPS]
+        t = self.adaptive.next(n, record[P.COMPUTE_S] / n, record[P.OUTER_SYNC_S])
         box = torch.tensor([t], dtype=torch.int64, device=self.device)
         dist.broadcast(box, src=0)
         self.local_steps = int(box.item())
@@ -373,7 +372,7 @@ class GroupTrainer:
 
     def checkpoint_root(self, run_dir: str | Path) -> Path:
         """Where this group's checkpoints of the run in ``run_dir`` live."""
-        return Path(run_dir, "checkpoints", f"group_{self.group}")
+        return Path(run_dir, runfiles.CHECKPOINTS_DIR, runfiles.group_checkpoints(self.group))
 
     def resume(self, run_dir: str | Path) -> int:
         """Load the newest round that every group has a good checkpoint of; return that round.

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             from flower_shard.ux.export import export_from_args
 
             return export_from_args(args)
-        from flower_shard.launch.torchrun import CONFIG_FILE, launch_train, torchrun_command
+        from flower_shard import runfiles
+        from flower_shard.launch.torchrun import launch_train, torchrun_command
 
         cfg = config_from_args(args)
         if args.dry_run:
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             dataclasses.replace(cfg, device="auto").validate()
             cmd = torchrun_command(
                 cfg,
-                Path(cfg.out, CONFIG_FILE),
+                Path(cfg.out, runfiles.CONFIG_FILE),
                 node_rank=args.node_rank,
                 rdzv_endpoint=args.rdzv_endpoint,
             )

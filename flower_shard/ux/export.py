@@ -22,10 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.ux.report import CONFIG_FILE, SUMMARY_FILE
-
-FINAL_MODEL = "final_model.safetensors"  # as trainer.FINAL_MODEL and server_app.FINAL_MODEL
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ def run_model(
             f"RUN_DIR {run_dir}: no such directory; give the --out of `flower-shard train` or "
             "the out-dir of a Flower run"
         )
-    summary, config = run / SUMMARY_FILE, run / CONFIG_FILE
+    summary, config = run / F.SUMMARY_FILE, run / F.CONFIG_FILE
     if summary.is_file():
         try:
             info = json.loads(summary.read_text())
@@ -73,13 +71,13 @@ def run_model(
             info = None
         if not isinstance(info, dict) or info.get("status") != "ok":
             raise ConfigError(
-                f"RUN_DIR {run_dir}: {SUMMARY_FILE} does not say the run finished (status "
+                f"RUN_DIR {run_dir}: {F.SUMMARY_FILE} does not say the run finished (status "
                 f"{info.get('status') if isinstance(info, dict) else 'unreadable'}); export a "
                 "run that completed"
             )
         if "model" not in info and model is None:
             raise ConfigError(
-                f"RUN_DIR {run_dir}: {SUMMARY_FILE} does not record the model (an older "
+                f"RUN_DIR {run_dir}: {F.SUMMARY_FILE} does not record the model (an older "
                 "ServerApp); pass --model (and --tokenizer) as the run had them"
             )
         recorded = info.get("model"), info.get("tokenizer"), info.get("seq_len")
@@ -88,13 +86,13 @@ def run_model(
         recorded = cfg.model, cfg.tokenizer, cfg.seq_len
     else:
         raise ConfigError(
-            f"RUN_DIR {run_dir}: neither {CONFIG_FILE} nor {SUMMARY_FILE} there; give the --out "
-            "of `flower-shard train` or the out-dir of a Flower run"
+            f"RUN_DIR {run_dir}: neither {F.CONFIG_FILE} nor {F.SUMMARY_FILE} there; give the "
+            "--out of `flower-shard train` or the out-dir of a Flower run"
         )
-    weights = run / FINAL_MODEL
+    weights = run / F.FINAL_MODEL
     if not weights.is_file():
         raise ConfigError(
-            f"RUN_DIR {run_dir}: no {FINAL_MODEL}; a train run writes it when it finishes, a "
+            f"RUN_DIR {run_dir}: no {F.FINAL_MODEL}; a train run writes it when it finishes, a "
             "Flower run only with transport='flower': rerun to completion"
         )
     corpus = run / "data" / "corpus.json"

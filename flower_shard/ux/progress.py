@@ -4,7 +4,7 @@ On a terminal, :class:`RoundDisplay` draws a rich progress bar of the rounds (an
 run's inner steps, where the process runs them) with the last round's loss,
 perplexity and tokens/s, and prints a per-round table (:func:`format_table`) when it stops.
 Anywhere else (a pipe, a log file, CI, pytest's capture) it prints
-:func:`~flower_shard.ux.metrics.format_round`'s one line per round, unchanged: scripts and tests
+:func:`~flower_shard.ux.formatting.format_round`'s one line per round, unchanged: scripts and tests
 parse those lines.
 
 The display starts no thread: rich's auto-refresh thread is off and the bar is redrawn when a
@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flower_shard.ux import metrics as M
+from flower_shard import protocol as P
+from flower_shard.ux.formatting import format_round, human_bytes, number
 
 STEP_REFRESH_S = 0.1
 """Redraw the bar at most this often on steps (a tiny model runs hundreds of steps a second)."""
@@ -44,53 +45,53 @@ def is_interactive(stream) -> bool:
 
 def round_summary(r: dict) -> str:
     """The last round on the bar: ``loss 4.1230 | ppl 61.70 | 1,530 tok/s``."""
-    parts = [f"loss {M._num(r.get(M.TRAIN_LOSS), 4)}"]
-    if r.get(M.EVAL_PPL) is not None:
-        parts.append(f"ppl {r[M.EVAL_PPL]:.2f}")
-    parts.append(f"{r[M.TOKENS_PER_S]:,.0f} tok/s")
+    parts = [f"loss {number(r.get(P.TRAIN_LOSS), 4)}"]
+    if r.get(P.EVAL_PPL) is not None:
+        parts.append(f"ppl {r[P.EVAL_PPL]:.2f}")
+    parts.append(f"{r[P.TOKENS_PER_S]:,.0f} tok/s")
     return " | ".join(parts)
 
 
 def _sync(r: dict) -> str:
-    if not r.get(M.OUTER_SYNC_BYTES):
+    if not r.get(P.OUTER_SYNC_BYTES):
         return ""
-    return f"{1e3 * r[M.OUTER_SYNC_S]:.0f} ms {M._human_bytes(r[M.OUTER_SYNC_BYTES])}"
+    return f"{1e3 * r[P.OUTER_SYNC_S]:.0f} ms {human_bytes(r[P.OUTER_SYNC_BYTES])}"
 
 
 # (header, the cell of one record, whether the column is shown for these records). The cells
-# are formatted as in metrics.format_round, so the table and the plain lines read alike.
+# are formatted as in formatting.format_round, so the table and the plain lines read alike.
 _COLUMNS: tuple[tuple[str, Callable[[dict], str], Callable[[list[dict]], bool]], ...] = (
-    ("round", lambda r: str(r[M.ROUND]), lambda rs: True),
-    ("step", lambda r: str(r[M.STEP]), lambda rs: True),
-    ("loss", lambda r: M._num(r.get(M.TRAIN_LOSS), 4), lambda rs: True),
+    ("round", lambda r: str(r[P.ROUND]), lambda rs: True),
+    ("step", lambda r: str(r[P.STEP]), lambda rs: True),
+    ("loss", lambda r: number(r.get(P.TRAIN_LOSS), 4), lambda rs: True),
     (
         "ppl",
-        lambda r: "" if r.get(M.EVAL_PPL) is None else f"{r[M.EVAL_PPL]:.2f}",
-        lambda rs: any(r.get(M.EVAL_PPL) is not None for r in rs),
+        lambda r: "" if r.get(P.EVAL_PPL) is None else f"{r[P.EVAL_PPL]:.2f}",
+        lambda rs: any(r.get(P.EVAL_PPL) is not None for r in rs),
     ),
-    ("tok/s", lambda r: f"{r[M.TOKENS_PER_S]:,.0f}", lambda rs: True),
-    ("lr", lambda r: f"{r[M.LR]:.2e}", lambda rs: True),
+    ("tok/s", lambda r: f"{r[P.TOKENS_PER_S]:,.0f}", lambda rs: True),
+    ("lr", lambda r: f"{r[P.LR]:.2e}", lambda rs: True),
     (  # a Flower round
         "exchanged",
-        lambda r: M._human_bytes(r["exchange_bytes"]) if "exchange_bytes" in r else "",
-        lambda rs: any("exchange_bytes" in r for r in rs),
+        lambda r: human_bytes(r[P.EXCHANGE_BYTES]) if P.EXCHANGE_BYTES in r else "",
+        lambda rs: any(P.EXCHANGE_BYTES in r for r in rs),
     ),
     (
         "groups ok/rejected",
-        lambda r: f"{r['groups_ok']}/{r['groups_rejected']}" if "exchange_bytes" in r else "",
-        lambda rs: any("exchange_bytes" in r for r in rs),
+        lambda r: f"{r[P.GROUPS_OK]}/{r[P.GROUPS_REJECTED]}" if P.EXCHANGE_BYTES in r else "",
+        lambda rs: any(P.EXCHANGE_BYTES in r for r in rs),
     ),
-    ("sync", _sync, lambda rs: any(r.get(M.OUTER_SYNC_BYTES) for r in rs)),
+    ("sync", _sync, lambda rs: any(r.get(P.OUTER_SYNC_BYTES) for r in rs)),
     (
         "round s",
-        lambda r: f"{r[M.ROUND_S]:.1f}" if M.ROUND_S in r else "",
-        lambda rs: any(M.ROUND_S in r for r in rs),
+        lambda r: f"{r[P.ROUND_S]:.1f}" if P.ROUND_S in r else "",
+        lambda rs: any(P.ROUND_S in r for r in rs),
     ),
 )
 
 
 def format_table(records: list[dict], total_rounds: int = 0) -> Table:
-    """One row per round: the fields of :func:`~flower_shard.ux.metrics.format_round` in columns.
+    """One row per round: the fields of :func:`~flower_shard.ux.formatting.format_round` in columns.
 
     Columns that no record fills (``ppl`` without evaluation, ``sync`` for G = 1, the Flower
     columns for one torch job) are left out; a record without a value shows an empty cell.
@@ -177,13 +178,13 @@ class RoundDisplay:
         record): the plain line, or the bar moves on and shows its loss, ppl and tokens/s."""
         self.records.append(record)
         if not self.live:
-            print(M.format_round(record, self.total_rounds), flush=True)
+            print(format_round(record, self.total_rounds), flush=True)
             return
         if self._progress is None:  # closed
             return
-        self._progress.update(self._rounds, completed=record[M.ROUND], last=round_summary(record))
+        self._progress.update(self._rounds, completed=record[P.ROUND], last=round_summary(record))
         if self._steps is not None:
-            self._progress.update(self._steps, completed=record[M.STEP])
+            self._progress.update(self._steps, completed=record[P.STEP])
         self._progress.refresh()
 
     def close(self) -> None:

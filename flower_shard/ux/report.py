@@ -21,14 +21,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError
 from flower_shard.ux import metrics as M
-from flower_shard.ux.metrics import _human_bytes
+from flower_shard.ux.formatting import human_bytes
 
 # The side files' names, as launch.CONFIG_FILE and server_app.SUMMARY_FILE spell them (a test
 # checks): importing those modules would pull torch and flwr into every `flower-shard` call.
-CONFIG_FILE = "config.json"
-SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
 PLOTS = {
     "loss.png": "training loss and held-out perplexity against wall time and tokens",
@@ -38,13 +38,9 @@ PLOTS = {
 INSTALL_HINT = "pip install 'flower-shard[bench]'"
 
 # Fields of a Flower ServerApp round (strategies/sharded_fedavg.py) that the trainer lacks.
-EXCHANGE_BYTES = "exchange_bytes"
-CONTROL_OVERHEAD_S = "control_overhead_s"
-GROUP_ROUND_S = "group_round_s"
-GROUPS_REJECTED = "groups_rejected"
 
 # What every round must carry for the report; lr and the like are not needed here.
-NEEDED = (M.ROUND, M.STEP, M.TOKENS, M.ROUND_S, M.OUTER_SYNC_S, M.OUTER_SYNC_BYTES)
+NEEDED = (P.ROUND, P.STEP, P.TOKENS, P.ROUND_S, P.OUTER_SYNC_S, P.OUTER_SYNC_BYTES)
 
 
 class ReportError(ConfigError):
@@ -70,7 +66,7 @@ class Run:
     @property
     def flower(self) -> bool:
         """Written by the Flower ServerApp rather than by the one-torch-job trainer."""
-        return any(EXCHANGE_BYTES in r for r in self.records)
+        return any(P.EXCHANGE_BYTES in r for r in self.records)
 
 
 # -- pure functions: rounds in, numbers out ----------------------------------------------------
@@ -94,13 +90,13 @@ def round_times(record: dict) -> tuple[float, float]:
     tuple[float, float]
         ``(comm_s, round_s)``, with ``0 <= comm_s <= round_s``.
     """
-    if CONTROL_OVERHEAD_S in record:
-        round_s = record[M.ROUND_S]
-        busy = record.get(GROUP_ROUND_S)
+    if P.CONTROL_OVERHEAD_S in record:
+        round_s = record[P.ROUND_S]
+        busy = record.get(P.GROUP_ROUND_S)
         if busy is not None:
-            round_s = min(round_s, busy + record[CONTROL_OVERHEAD_S])
-        return max(0.0, round_s - (record.get(M.COMPUTE_S) or 0.0)), round_s
-    return min(record[M.OUTER_SYNC_S], record[M.ROUND_S]), record[M.ROUND_S]
+            round_s = min(round_s, busy + record[P.CONTROL_OVERHEAD_S])
+        return max(0.0, round_s - (record.get(P.COMPUTE_S) or 0.0)), round_s
+    return min(record[P.OUTER_SYNC_S], record[P.ROUND_S]), record[P.ROUND_S]
 
 
 def series(records: list[dict]) -> dict[str, list]:
@@ -135,20 +131,20 @@ def series(records: list[dict]) -> dict[str, list]:
     for r in records:
         comm_s, round_s = round_times(r)
         wall += round_s
-        tokens = r[M.TOKENS] - previous
-        previous = r[M.TOKENS]
-        out["round"].append(r[M.ROUND])
+        tokens = r[P.TOKENS] - previous
+        previous = r[P.TOKENS]
+        out["round"].append(r[P.ROUND])
         out["wall_s"].append(wall)
-        out["tokens"].append(r[M.TOKENS])
+        out["tokens"].append(r[P.TOKENS])
         out["round_tokens"].append(tokens)
         out["tokens_per_s"].append(tokens / round_s if round_s > 0 else 0.0)
-        out["train_loss"].append(_finite(r.get(M.TRAIN_LOSS)))
+        out["train_loss"].append(_finite(r.get(P.TRAIN_LOSS)))
         out["comm_s"].append(comm_s)
         out["comm_share"].append(comm_s / round_s if round_s > 0 else 0.0)
-        ppl = _finite(r.get(M.EVAL_PPL))
+        ppl = _finite(r.get(P.EVAL_PPL))
         if ppl is not None:
             out["eval_wall_s"].append(wall)
-            out["eval_tokens"].append(r[M.TOKENS])
+            out["eval_tokens"].append(r[P.TOKENS])
             out["eval_ppl"].append(ppl)
     return out
 
@@ -167,10 +163,10 @@ def inter_group_bytes(records: list[dict], world_size: int | None = None) -> tup
     tuple[float, str]
         ``(bytes, scope)``, scope one of ``flower messages``, ``all ranks``, ``per rank``.
     """
-    flower = sum(r.get(EXCHANGE_BYTES) or 0 for r in records)
+    flower = sum(r.get(P.EXCHANGE_BYTES) or 0 for r in records)
     if flower:
         return float(flower), "flower messages"
-    per_rank = float(sum(r[M.OUTER_SYNC_BYTES] or 0 for r in records))
+    per_rank = float(sum(r[P.OUTER_SYNC_BYTES] or 0 for r in records))
     if world_size:
         return per_rank * world_size, "all ranks"
     return per_rank, "per rank"
@@ -203,21 +199,21 @@ def summarise(records: list[dict], world_size: int | None = None) -> dict:
     comm = sum(s["comm_s"])
     nbytes, scope = inter_group_bytes(records, world_size)
     losses = [x for x in s["train_loss"] if x is not None]
-    flower = any(GROUPS_REJECTED in r for r in records)
+    flower = any(P.GROUPS_REJECTED in r for r in records)
     return {
         "rounds": len(records),
-        "steps": records[-1][M.STEP],
-        "tokens": records[-1][M.TOKENS],
+        "steps": records[-1][P.STEP],
+        "tokens": records[-1][P.TOKENS],
         "wall_s": wall,
         "final_train_loss": losses[-1] if losses else None,
         "final_eval_ppl": s["eval_ppl"][-1] if s["eval_ppl"] else None,
         "tokens_per_s_median": statistics.median(s["tokens_per_s"]),
-        "tokens_per_s_overall": records[-1][M.TOKENS] / wall if wall > 0 else 0.0,
+        "tokens_per_s_overall": records[-1][P.TOKENS] / wall if wall > 0 else 0.0,
         "comm_s": comm,
         "comm_share": comm / wall if wall > 0 else 0.0,
         "inter_group_bytes": nbytes,
         "inter_group_bytes_scope": scope,
-        "groups_rejected": sum(r.get(GROUPS_REJECTED) or 0 for r in records) if flower else None,
+        "groups_rejected": sum(r.get(P.GROUPS_REJECTED) or 0 for r in records) if flower else None,
     }
 
 
@@ -238,7 +234,7 @@ def load_run(directory: str | Path) -> Run:
         that is not JSON or lacks a field the report needs, an unreadable JSON side file.
     """
     path = Path(directory)
-    metrics = path / M.METRICS_FILE
+    metrics = path / F.METRICS_FILE
     if not path.is_dir():
         raise ReportError(
             f"{path}: no such run directory; give the --out of `flower-shard train` or the "
@@ -265,10 +261,12 @@ def load_run(directory: str | Path) -> Run:
                 f"{metrics}: round record {i} lacks a number for {missing[0]!r}; this is not a "
                 "flower-shard metrics file, or an older one: rerun the run"
             )
-    run = Run(path, records, _side_file(path / CONFIG_FILE), _side_file(path / SUMMARY_FILE))
+    run = Run(path, records, _side_file(path / F.CONFIG_FILE), _side_file(path / F.SUMMARY_FILE))
     if run.flower and run.config is not None:
         # The ServerApp writes no config.json: one found here was left by another run.
-        run.notes.append(f"{CONFIG_FILE} ignored: a Flower run writes none, so it is another run's")
+        run.notes.append(
+            f"{F.CONFIG_FILE} ignored: a Flower run writes none, so it is another run's"
+        )
         run.config = None
     if run.summary and run.summary.get("status") not in (None, "ok"):
         run.notes.append(f"run {run.summary.get('status')}: {run.summary.get('error', '?')}")
@@ -363,7 +361,7 @@ def markdown(runs: list[Run], plots: list[str], missing_matplotlib: bool = False
                 f"{s['tokens_per_s_median']:,.0f}",
                 f"{rel:.2f}x",
                 f"{100 * s['comm_share']:.1f}%",
-                f"{_human_bytes(s['inter_group_bytes'])} ({scope})",
+                f"{human_bytes(s['inter_group_bytes'])} ({scope})",
             ]
         )
     head = [

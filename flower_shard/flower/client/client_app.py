@@ -48,10 +48,10 @@ def _forward(method: str, msg: Message, context: Context) -> Message:
         arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()}
     group = _group(context)
     try:
-        header, out = group.call(method, {"config": config}, arrays)
+        header, out = group.call(method, {P.H_CONFIG: config}, arrays)
     finally:
         group.close()
-    metrics = header.get("metrics", {}) | {P.CLIENTAPP_PID: os.getpid()}
+    metrics = header.get(P.H_METRICS, {}) | {P.CLIENTAPP_PID: os.getpid()}
     content = RecordDict({P.METRICS: MetricRecord(metrics)})
     if out:
         content[P.ARRAYS] = ArrayRecord({k: Array(v) for k, v in out.items()})

@@ -6,6 +6,7 @@ import numpy as np
 
 from flower_shard import protocol as P
 from flower_shard.errors import GroupError, GroupUnavailable
+from flower_shard.flower import wire
 
 
 class GroupClient:
@@ -19,7 +20,7 @@ class GroupClient:
 
         self.address = address
         self.connect_timeout = connect_timeout
-        self._channel = grpc.insecure_channel(address, options=P.GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=wire.GRPC_OPTIONS)
 
     def call(
         self,
@@ -42,15 +43,15 @@ class GroupClient:
             ) from None
         stub = self._channel.unary_unary(f"/{P.SERVICE}/{method}")
         try:
-            reply = stub(P.encode(header or {}, arrays), timeout=timeout)
+            reply = stub(wire.encode(header or {}, arrays), timeout=timeout)
         except grpc.RpcError as exc:
             raise GroupUnavailable(
                 f"the group at {self.address} failed during {method}: {exc.code().name} "
                 f"{exc.details()}"
             ) from None
-        head, out = P.decode(reply)
-        if "error" in head:
-            raise GroupError(head["error"])
+        head, out = wire.decode(reply)
+        if P.H_ERROR in head:
+            raise GroupError(head[P.H_ERROR])
         return head, out
 
     def health(self) -> dict:

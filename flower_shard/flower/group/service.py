@@ -37,15 +37,16 @@ import torch
 import torch.distributed as dist
 
 from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.flower.server.aggregation import flatten, pack, unpack
+from flower_shard.flower import wire
+from flower_shard.flower.wire import flatten, pack, unpack
 from flower_shard.preflight import prepare_for
 from flower_shard.runtime import checkpoint as C
 from flower_shard.runtime import compression as Z
 from flower_shard.runtime.distributed import init_distributed
 from flower_shard.runtime.outer_sync import OuterSync
 
-RUN_FILE = "run.json"  # in a group's checkpoint folder: the settings of the run it belongs to
 IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
 
 
@@ -284,18 +285,18 @@ class GroupWorker:
     # -- commands (run on every rank) ----------------------------------------------------------
 
     def run(self, command: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
-        method = command["method"]
+        method = command[P.H_METHOD]
         if method == P.GET_WEIGHTS:
             return {}, self.full_weights() if self.trainer else {}
-        config = command["config"]
+        config = command[P.H_CONFIG]
         self.ensure_run(config)
-        if command.get("has_arrays"):
+        if command.get(P.H_HAS_ARRAYS):
             arrays = self.load_weights(arrays)
             # Flower transport with compression: the reply is the delta from these weights.
             self._global = arrays if self.trainer.cfg.compression != "none" else None
             self.dump(config, "loaded")
         if method == P.EVALUATE:
-            return {"metrics": {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
+            return {P.H_METRICS: {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
         return self.train(config)
 
     def train(self, config: dict) -> tuple[dict, dict]:
@@ -310,15 +311,15 @@ class GroupWorker:
             steps = t.train_steps(n)
         t.round = int(config[P.SERVER_ROUND])
         metrics = {
-            P.GROUP_INDEX: int(config[P.GROUP_INDEX]),
-            P.ROUND_STEPS: steps["steps"],
+            P.GROUP: int(config[P.GROUP_INDEX]),
+            P.STEPS: steps["steps"],
             P.NUM_TOKENS: steps["tokens"],
             P.TRAIN_LOSS: steps["loss"],
             P.COMPUTE_S: steps["seconds"],
             P.INTRA_BYTES: steps["intra_bytes"],
             P.INTRA_COMM_S: steps["intra_s"],
             P.STEP: t.step,
-            "lr": t.scheduler.get_last_lr()[0],
+            P.LR: t.scheduler.get_last_lr()[0],
         }
         arrays = {}
         if self.outer is not None:  # collective: average with the other groups, send nothing
@@ -326,8 +327,8 @@ class GroupWorker:
             inject_death(self.fault_file, int(config[P.SERVER_ROUND]))
             stats, failure = self.sync_or_abandon(config, steps["tokens"])
             if failure:  # the group lives on with its own weights; the server hears why
-                return {"error": f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
-            metrics |= {P.SYNC_S: stats.seconds, P.SYNC_BYTES: stats.sent_bytes}
+                return {P.H_ERROR: f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
+            metrics |= {P.OUTER_SYNC_S: stats.seconds, P.OUTER_SYNC_BYTES: stats.sent_bytes}
             metrics[P.INTRA_BYTES] += stats.replicate_bytes  # HSDP: the replicas' all-gather
             self.dump(config, "synced")
         else:
@@ -345,14 +346,14 @@ class GroupWorker:
         if t.cfg.checkpoint_due(rnd):
             saving = time.perf_counter()
             root = self.checkpoint_root(config)
-            if self.rank == 0 and not (root / RUN_FILE).exists():  # which run this folder is
+            if self.rank == 0 and not (root / F.RUN_FILE).exists():  # which run this folder is
                 root.mkdir(parents=True, exist_ok=True)
-                (root / RUN_FILE).write_text(json.dumps(run_key(config), indent=1) + "\n")
+                (root / F.RUN_FILE).write_text(json.dumps(run_key(config), indent=1) + "\n")
             extra = {"error_feedback": self.feedback.residual} if self.feedback else None
             t.save_checkpoint(root, rnd, self.outer, extra=extra)
             metrics[P.CHECKPOINT_S] = time.perf_counter() - saving
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
-        return {"metrics": metrics}, arrays
+        return {P.H_METRICS: metrics}, arrays
 
     def sync_or_abandon(self, config: dict, weight: int):
         """The cross-group sync, or, if any rank's part of it fails, none of it.
@@ -467,9 +468,11 @@ class ControlServer:
         import grpc
 
         self.commands: queue.Queue = queue.Queue()
-        self.status = {"ready": False, "ranks": dist.get_world_size(), "step": 0}
+        self.status = {P.H_READY: False, P.H_RANKS: dist.get_world_size(), P.H_STEP: 0}
         handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(m)) for m in P.METHODS}
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=P.GRPC_OPTIONS)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4), options=wire.GRPC_OPTIONS
+        )
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(P.SERVICE, handlers),)
         )
@@ -480,12 +483,12 @@ class ControlServer:
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
             if method == P.HEALTH:
-                return P.encode(self.status)
-            header, arrays = P.decode(request)
+                return wire.encode(self.status)
+            header, arrays = wire.decode(request)
             done: futures.Future = futures.Future()
             self.commands.put((method, header, arrays, done))
             reply_header, reply_arrays = done.result()
-            return P.encode(reply_header, reply_arrays)
+            return wire.encode(reply_header, reply_arrays)
 
         return handle
 
@@ -496,7 +499,7 @@ def serve(args: argparse.Namespace) -> int:
     server = None
     if worker.rank == 0:
         server = ControlServer(args.address)
-        server.status["ready"] = True
+        server.status[P.H_READY] = True
         print(
             f"flower-shard group: {dist.get_world_size()} ranks serving {args.address}", flush=True
         )
@@ -504,15 +507,15 @@ def serve(args: argparse.Namespace) -> int:
         if worker.rank == 0:
             method, header, arrays, done = server.commands.get()
             command = {
-                "method": method,
-                "config": header.get("config", {}),
-                "has_arrays": bool(arrays),
+                P.H_METHOD: method,
+                P.H_CONFIG: header.get(P.H_CONFIG, {}),
+                P.H_HAS_ARRAYS: bool(arrays),
             }
             if method != P.GET_WEIGHTS:
                 try:  # refuse a bad configuration before any rank acts on it
-                    worker.check(command["config"])
+                    worker.check(command[P.H_CONFIG])
                 except (ConfigError, KeyError, ValueError, TypeError) as exc:
-                    done.set_result(({"error": f"bad run configuration: {exc}"}, {}))
+                    done.set_result(({P.H_ERROR: f"bad run configuration: {exc}"}, {}))
                     continue
         else:
             command, arrays, done = None, {}, None
@@ -523,11 +526,11 @@ def serve(args: argparse.Namespace) -> int:
             reply = worker.run(command, arrays)
         except BaseException as exc:
             if done is not None:
-                done.set_result(({"error": f"group failed: {type(exc).__name__}: {exc}"}, {}))
+                done.set_result(({P.H_ERROR: f"group failed: {type(exc).__name__}: {exc}"}, {}))
                 time.sleep(0.5)  # let the reply leave before the job goes down
             raise
         if done is not None:
-            server.status["step"] = worker.trainer.step if worker.trainer else 0
+            server.status[P.H_STEP] = worker.trainer.step if worker.trainer else 0
             done.set_result(reply)
 
 

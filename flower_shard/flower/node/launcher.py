@@ -272,7 +272,7 @@ class Node:
                 if not self.group.alive():
                     raise RuntimeError(f"the group exited while starting:\n{self.group.tail()}")
                 try:
-                    if client.health().get("ready"):
+                    if client.health().get(P.H_READY):
                         return
                 except GroupUnavailable:
                     pass

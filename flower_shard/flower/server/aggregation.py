@@ -1,55 +1,17 @@
-"""Server-side math on full arrays, as pure functions: validation, weighted mean, outer step.
+"""Server-side math on full arrays, as pure functions: validation, robust and weighted means.
 
 The outer step is the group runtime's own :class:`~flower_shard.runtime.outer_sync.OuterOptimizer`,
-applied here to the whole model flattened in a fixed key order.
+applied to the whole model flattened in a fixed key order (:mod:`flower_shard.flower.wire`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
-Arrays = Mapping[str, np.ndarray]
+from flower_shard.flower.wire import Arrays, Spec
 
 
-def describe(arrays: Arrays) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name -> (shape, dtype) of a model: what every reply must match."""
-    return {k: (tuple(v.shape), str(v.dtype)) for k, v in arrays.items()}
-
-
-def pack(arrays: Arrays) -> np.ndarray:
-    """Every array, flattened and concatenated in sorted-name order, as one float32 vector.
-
-    The flower transport's wire format: one Array per message instead of one per tensor, so
-    Flower's per-object costs (a request and a hash at every hop) are paid a few times per
-    message, not hundreds."""
-    return np.concatenate(
-        [np.ascontiguousarray(arrays[k], dtype=np.float32).reshape(-1) for k in sorted(arrays)]
-    )
-
-
-def unpack(
-    arrays: Arrays, expected: Mapping[str, tuple[tuple[int, ...], str]]
-) -> tuple[str | None, dict[str, np.ndarray]]:
-    """(why a packed reply cannot be used, {}) or (None, its named arrays): exactly one
-    1-D float32 array named ``packed`` holding every expected value, cut in sorted order."""
-    from flower_shard.protocol import PACKED
-
-    if PACKED not in arrays:
-        return f"missing arrays [{PACKED!r}]", {}
-    if len(arrays) > 1:
-        return f"unexpected arrays {sorted(set(arrays) - {PACKED})[:3]}", {}
-    flat = arrays[PACKED]
-    numel = sum(int(np.prod(shape)) for shape, _ in expected.values())
-    if flat.ndim != 1 or flat.size != numel:
-        return f"wrong shape: packed weights {tuple(flat.shape)}, expected ({numel},)", {}
-    if flat.dtype != np.float32:
-        return f"packed weights have dtype {flat.dtype}, expected float32", {}
-    return None, unflatten_flat(flat, expected, sorted(expected))
-
-
-def check_arrays(arrays: Arrays, expected: Mapping[str, tuple[tuple[int, ...], str]]) -> str | None:
+def check_arrays(arrays: Arrays, expected: Spec) -> str | None:
     """Why a group's weights cannot be used, or None if they can.
 
     Checks, in order: missing keys, extra keys, shapes, dtypes, non-finite values.
@@ -88,35 +50,6 @@ def weighted_mean(models: list[Arrays], weights: list[float]) -> dict[str, np.nd
         for model, w in zip(models, weights):
             acc += float(w) * model[name].astype(np.float64)
         out[name] = (acc / total).astype(np.float32)
-    return out
-
-
-def flatten(arrays: Arrays, order: list[str]):
-    import torch
-
-    return torch.cat([torch.from_numpy(np.ascontiguousarray(arrays[k])).reshape(-1) for k in order])
-
-
-def unflatten(flat, like: Arrays, order: list[str]) -> dict[str, np.ndarray]:
-    out, offset = {}, 0
-    flat = flat.detach().cpu().numpy()
-    for k in order:
-        n = like[k].size
-        out[k] = flat[offset : offset + n].reshape(like[k].shape).copy()
-        offset += n
-    return out
-
-
-def unflatten_flat(
-    flat: np.ndarray, expected: dict[str, tuple[tuple[int, ...], str]], order: list[str]
-) -> dict[str, np.ndarray]:
-    """A flat numpy vector cut into named arrays of the ``expected`` shapes, in ``order``."""
-    out, offset = {}, 0
-    for k in order:
-        shape = expected[k][0]
-        n = int(np.prod(shape))
-        out[k] = flat[offset : offset + n].reshape(shape)
-        offset += n
     return out
 
 

@@ -23,15 +23,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flower_shard import protocol as P
+from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
 
 app = ServerApp()
-
-SUMMARY_FILE = "summary.json"
-FINAL_MODEL = "final_model.safetensors"
 
 
 class HeldOutEvaluator:
@@ -113,7 +111,7 @@ def main(grid: Grid, context: Context) -> None:
         out.mkdir(parents=True, exist_ok=True)
         run(grid, fed, out)
     except Exception as exc:
-        (out / SUMMARY_FILE).write_text(
+        (out / F.SUMMARY_FILE).write_text(
             json.dumps(
                 {
                     "status": "failed",
@@ -162,7 +160,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         M.keep_rounds(t.resume, out, resumed["round"])
     else:
         first = initial_arrays(fed, evaluator.model.config.vocab_size)
-        (out / M.METRICS_FILE).unlink(missing_ok=True)
+        (out / F.METRICS_FILE).unlink(missing_ok=True)
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
     run_name = resumed["run_name"] if resumed else str(out)
     logger = M.MetricsLogger(
@@ -180,7 +178,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         if t.checkpoint_every:
             C.save_server(
                 out / "checkpoints" / "server",
-                record[M.ROUND],
+                record[P.ROUND],
                 strategy.global_arrays,
                 strategy.outer.state_dict(),
                 _jsonable(
@@ -209,7 +207,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     else:  # the groups hold the model: fetch it once from one of them
         final = strategy.final_weights(grid) if strategy.history else None
     if final is not None:
-        save_file(final, str(out / FINAL_MODEL))
+        save_file(final, str(out / F.FINAL_MODEL))
     summary = {
         "status": "ok",
         "rounds": len(strategy.history),
@@ -220,7 +218,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         "tokenizer": _resolved(t.tokenizer),
         "seq_len": t.seq_len,
     }
-    (out / SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    (out / F.SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
     del store
 
 

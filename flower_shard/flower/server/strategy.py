@@ -25,17 +25,12 @@ from flower_shard.config.federation import FederationConfig
 from flower_shard.flower.server.aggregation import (
     check_arrays,
     check_weight,
-    describe,
-    flatten,
     norm_outliers,
-    pack,
     trimmed_mean,
-    unflatten,
-    unflatten_flat,
-    unpack,
     update_norms,
     weighted_mean,
 )
+from flower_shard.flower.wire import describe, flatten, pack, unflatten, unflatten_flat, unpack
 from flower_shard.planning.adaptive import AdaptiveT
 from flower_shard.runtime import compression as Z
 from flower_shard.ux import metrics as M
@@ -299,12 +294,12 @@ class ShardedFedAvg(FedAvg):
             config[P.RESUME_ROUND] = resumed["round"]
         self._wait_for_groups(grid, timeout)
         arrays, result = initial_arrays, Result()
-        tokens = self.history[-1][M.TOKENS] if self.history else 0
+        tokens = self.history[-1][P.TOKENS] if self.history else 0
         # The budget is in inner steps: with a fixed T that is exactly num_rounds rounds; with
         # adaptive-t the number of rounds follows from the T chosen each round. Time-budgeted
         # rounds (round-seconds): num_rounds rounds, each group as many steps as fit.
         timed = self.fed.round_seconds > 0
-        steps = self.history[-1][M.STEP] if self.history else 0
+        steps = self.history[-1][P.STEP] if self.history else 0
         budget = num_rounds * t.local_steps
         local = self._next_local_steps(self.history[-1]) if self.history else t.local_steps
         rnd = first - 1
@@ -326,7 +321,7 @@ class ShardedFedAvg(FedAvg):
                 arrays = result.arrays = new_arrays
             ok = self._round["ok"]
             if timed:  # the step count advances by the most steps a group trained
-                n = max((int(p["metrics"].get(P.ROUND_STEPS, 0)) for p in ok), default=0)
+                n = max((int(p["metrics"].get(P.STEPS, 0)) for p in ok), default=0)
             steps += n
             last = rnd >= num_rounds if timed else steps >= budget
             round_tokens = int(sum(p["metrics"][P.NUM_TOKENS] for p in ok))
@@ -338,7 +333,7 @@ class ShardedFedAvg(FedAvg):
                 eval_loss = self._evaluate(rnd, arrays, config, grid, evaluate_fn)
             round_s = time.perf_counter() - start
             record = self._record(rnd, ok, round_tokens, tokens, round_s, eval_loss, sent)
-            record |= {M.STEP: steps, M.LOCAL_STEPS: n}
+            record |= {P.STEP: steps, P.ROUND_LOCAL_STEPS: n}
             self.history.append(record)
             if self.on_round:
                 self.on_round(record)
@@ -355,8 +350,8 @@ class ShardedFedAvg(FedAvg):
         t = self.fed.train
         if not t.adaptive_t:
             return t.local_steps
-        n = record.get(M.LOCAL_STEPS, t.local_steps)
-        compute = record[M.COMPUTE_S]
+        n = record.get(P.ROUND_LOCAL_STEPS, t.local_steps)
+        compute = record[P.COMPUTE_S]
         exchange = record["control_overhead_s"] + record["group_round_s"] - compute
         rule = AdaptiveT(t.exchange_share, t.min_local_steps, t.max_local_steps)
         return rule.next(n, compute / n, max(0.0, exchange))
@@ -391,27 +386,27 @@ class ShardedFedAvg(FedAvg):
         received = sum(p.get("bytes", 0) for p in ok)
         group_s = max((g.get(P.GROUP_ROUND_S, 0.0) for g in groups), default=0.0)
         record = {
-            M.ROUND: rnd,
-            M.TOKENS: tokens,
-            M.TOKENS_PER_S: round_tokens / round_s,
-            M.TRAIN_LOSS: float(
+            P.ROUND: rnd,
+            P.TOKENS: tokens,
+            P.TOKENS_PER_S: round_tokens / round_s,
+            P.TRAIN_LOSS: float(
                 np.average(
                     [g[P.TRAIN_LOSS] for g in groups], weights=[g[P.NUM_TOKENS] for g in groups]
                 )
             )
             if groups
             else float("nan"),
-            M.LR: float(np.mean([g.get("lr", 0.0) for g in groups])) if groups else 0.0,
-            M.ROUND_S: round_s,
-            M.COMPUTE_S: max((g.get(P.COMPUTE_S, 0.0) for g in groups), default=0.0),
-            M.INTRA_BYTES: max((g.get(P.INTRA_BYTES, 0.0) for g in groups), default=0.0),
-            M.INTRA_COMM_S: max((g.get(P.INTRA_COMM_S, 0.0) for g in groups), default=0.0),
-            M.OUTER_SYNC_S: self._round.get("server_s", 0.0)
+            P.LR: float(np.mean([g.get(P.LR, 0.0) for g in groups])) if groups else 0.0,
+            P.ROUND_S: round_s,
+            P.COMPUTE_S: max((g.get(P.COMPUTE_S, 0.0) for g in groups), default=0.0),
+            P.INTRA_BYTES: max((g.get(P.INTRA_BYTES, 0.0) for g in groups), default=0.0),
+            P.INTRA_COMM_S: max((g.get(P.INTRA_COMM_S, 0.0) for g in groups), default=0.0),
+            P.OUTER_SYNC_S: self._round.get("server_s", 0.0)
             if flower
-            else max((g.get(P.SYNC_S, 0.0) for g in groups), default=0.0),
-            M.OUTER_SYNC_BYTES: (received // len(ok) if ok else 0)
+            else max((g.get(P.OUTER_SYNC_S, 0.0) for g in groups), default=0.0),
+            P.OUTER_SYNC_BYTES: (received // len(ok) if ok else 0)
             if flower
-            else max((int(g.get(P.SYNC_BYTES, 0)) for g in groups), default=0),
+            else max((int(g.get(P.OUTER_SYNC_BYTES, 0)) for g in groups), default=0),
             "groups_ok": len(ok),
             "groups_rejected": len(self._round["rejected"]),
             "groups_dropped": len(self.dropped),
@@ -425,8 +420,8 @@ class ShardedFedAvg(FedAvg):
             "groups": sorted(
                 (
                     {
-                        "group": int(g.get(P.GROUP_INDEX, -1)),
-                        "steps": int(g.get(P.ROUND_STEPS, 0)),
+                        P.GROUP: int(g.get(P.GROUP, -1)),
+                        P.STEPS: int(g.get(P.STEPS, 0)),
                         "tokens": int(g[P.NUM_TOKENS]),
                         "compute_s": float(g.get(P.COMPUTE_S, 0.0)),
                         "clientapp_pid": int(g.get(P.CLIENTAPP_PID, 0)),
@@ -437,8 +432,8 @@ class ShardedFedAvg(FedAvg):
             ),
         }
         if eval_loss is not None:
-            record[M.EVAL_LOSS] = eval_loss
-            record[M.EVAL_PPL] = M.perplexity(eval_loss)
+            record[P.EVAL_LOSS] = eval_loss
+            record[P.EVAL_PPL] = M.perplexity(eval_loss)
         return record
 
     def _evaluate(self, rnd, arrays, config, grid, evaluate_fn) -> float | None:
