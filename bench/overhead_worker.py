@@ -13,7 +13,8 @@ import torch.distributed as dist
 from flower_shard.config import TrainConfig
 from flower_shard.data.batches import rank_batches
 from flower_shard.data.corpus import CorpusInfo
-from flower_shard.runtime.trainer import GroupTrainer, lm_loss
+from flower_shard.runtime.evaluation import lm_loss
+from flower_shard.runtime.trainer import GroupTrainer
 
 
 def peak_rss_mib() -> float:

@@ -99,8 +99,8 @@ def test_llama_config_with_tokenizer_and_jsonl_trains_and_exports(hf, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flower_shard.runtime.evaluation import lm_loss
     from flower_shard.runtime.models import build_model
-    from flower_shard.runtime.trainer import lm_loss
 
     out, exported = tmp_path / "run", tmp_path / "export"
     train_cli(

@@ -320,7 +320,7 @@ def test_a_group_too_small_for_the_batch_fails_before_launch(text_corpus, tmp_pa
         check_fits(info, TrainConfig(**{**cfg.__dict__, "batch_size": 40}))
 
 
-def test_cli_flags_and_flower_run_config_carry_the_partition(monkeypatch):
+def test_cli_flags_and_flower_run_config_carry_the_partition():
     args = build_parser().parse_args(
         ["train", "--partition", "dirichlet", "--partition-label", "lang"]
         + ["--dirichlet-alpha", "0.05"]
@@ -338,10 +338,9 @@ def test_cli_flags_and_flower_run_config_carry_the_partition(monkeypatch):
         P.GROUP_INDEX: 2,
         P.NUM_SERVER_ROUNDS: 3,
     }
-    from flower_shard.flower.group import service as group_service
+    from flower_shard.config.federation import train_config_from_message
 
-    monkeypatch.setattr(group_service.dist, "get_world_size", lambda: 2)
-    group = group_service.config_from_message(message, None, "cpu")
+    group = train_config_from_message(message, nproc_per_group=2, data=None, device="cpu")
     assert (group.partition, group.partition_label, group.dirichlet_alpha) == (
         "dirichlet",
         "directory",

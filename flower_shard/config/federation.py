@@ -9,6 +9,7 @@ Run-config keys are the kebab-case names of :class:`~flower_shard.config.TrainCo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flower_shard import protocol as P
@@ -131,3 +132,36 @@ class FederationConfig:
             P.COLLECTIVE_ADDRESS: self.collective_address,
         }
         return cfg
+
+
+def train_config_from_message(
+    config: Mapping, *, nproc_per_group: int, data: str | None, device: str
+) -> TrainConfig:
+    """A group's TrainConfig from a train/evaluate message's config: the inverse of
+    :meth:`FederationConfig.group_config` (which always sends every key read here), with this
+    node's own ``nproc_per_group`` (K), ``data`` and ``device``. The groups do not evaluate on
+    their own (the server asks) and do not print rounds.
+
+    Raises
+    ------
+    KeyError
+        A key that ``group_config`` always sends is missing (not a message of this server).
+    ConfigError
+        A value is wrong (see :meth:`TrainConfig.validate`).
+    """
+    fields = {f: config[P.kebab(f)] for f in P.GROUP_FIELDS if P.kebab(f) in config}
+    cfg = TrainConfig(
+        groups=int(config[P.NUM_GROUPS]),
+        nproc_per_group=nproc_per_group,
+        local_steps=int(config[P.LOCAL_STEPS]),
+        rounds=int(config[P.NUM_SERVER_ROUNDS]),
+        outer=str(config[P.OUTER_OPTIMIZER]),
+        outer_lr=float(config[P.OUTER_LR]),
+        outer_momentum=float(config[P.OUTER_MOMENTUM]),
+        data=data,
+        device=device,
+        eval_every=0,
+        quiet=True,
+        **fields,
+    )
+    return cfg.validate()

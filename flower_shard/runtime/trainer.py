@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flower_shard import protocol as P
 from flower_shard import runfiles
@@ -31,20 +30,13 @@ from flower_shard.planning.adaptive import AdaptiveT
 from flower_shard.runtime import checkpoint as C
 from flower_shard.runtime import intra_comm
 from flower_shard.runtime.distributed import init_distributed, shutdown
+from flower_shard.runtime.evaluation import lm_loss, loss_sums, perplexity
 from flower_shard.runtime.models import build_model, is_meta, materialize
 from flower_shard.runtime.outer_sync import OuterSync
 from flower_shard.runtime.parallelize import parallelize
 from flower_shard.runtime.schedule import warmup_cosine
 from flower_shard.runtime.topology import Topology
 from flower_shard.ux import metrics as M
-
-
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
-    """Next-token cross-entropy of a causal LM, computed in float32."""
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction
-    )
 
 
 class GroupTrainer:
@@ -198,7 +190,7 @@ class GroupTrainer:
                 if cfg.eval_every and (self.round % cfg.eval_every == 0 or last):
                     eval_loss = self.evaluate()
                     record[P.EVAL_LOSS] = eval_loss
-                    record[P.EVAL_PPL] = M.perplexity(eval_loss)
+                    record[P.EVAL_PPL] = perplexity(eval_loss)
                 if cfg.checkpoint_due(self.round) or (last and cfg.checkpoint_every):
                     self.save_checkpoint(self.checkpoint_root(cfg.out), self.round, self.outer)
                 if logger:
@@ -348,23 +340,11 @@ class GroupTrainer:
         Every rank of a group must run the same number of forwards (FSDP gathers inside them),
         so ranks with fewer sequences pad with zero-weighted rows.
         """
-        cfg = self.cfg
-        self.model.eval()
         per_rank = math.ceil(self.eval_total / self.world)
-        n_batches = math.ceil(per_rank / cfg.batch_size)
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        blocks = torch.from_numpy(self.eval_blocks.astype("int64"))
-        for b in range(n_batches):
-            rows = blocks[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-            real = len(rows)
-            if real < cfg.batch_size:  # pad (the rows' values do not matter, their weight is 0)
-                pad = torch.zeros(cfg.batch_size - real, cfg.seq_len + 1, dtype=torch.int64)
-                rows = torch.cat([rows, pad])
-            rows = rows.to(self.device)
-            losses = lm_loss(self.model, rows[:, :-1], rows[:, 1:], reduction="none")
-            losses = losses.view(cfg.batch_size, cfg.seq_len)[:real]
-            total[0] += losses.double().sum()
-            total[1] += losses.numel()
+        forwards = math.ceil(per_rank / self.cfg.batch_size)
+        total = loss_sums(
+            self.model, self.eval_blocks, self.cfg.batch_size, self.device, forwards=forwards
+        )
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 

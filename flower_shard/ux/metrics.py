@@ -7,7 +7,6 @@ Flower server) and the readers (tests, benchmarks, plots) cannot drift apart.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -130,7 +129,3 @@ def keep_rounds(source: str | os.PathLike, target: str | os.PathLike, through: i
     tmp = Path(target, F.METRICS_FILE + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(Path(target, F.METRICS_FILE))
-
-
-def perplexity(mean_loss: float) -> float:
-    return math.exp(min(mean_loss, 700.0))

@@ -16,7 +16,8 @@ from flower_shard.config import TrainConfig
 from flower_shard.data.batches import rank_batches
 from flower_shard.runtime.models import build_model
 from flower_shard.runtime.schedule import warmup_cosine
-from flower_shard.runtime.trainer import GroupTrainer, lm_loss
+from flower_shard.runtime.evaluation import lm_loss
+from flower_shard.runtime.trainer import GroupTrainer
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from flower_shard import protocol as P
 from flower_shard import runfiles as F
-from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config import ConfigError
+from flower_shard.config.federation import train_config_from_message
 from flower_shard.flower import wire
 from flower_shard.flower.wire import flatten, pack, unpack
 from flower_shard.preflight import prepare_for
@@ -48,26 +49,6 @@ from flower_shard.runtime.distributed import init_distributed
 from flower_shard.runtime.outer_sync import OuterSync
 
 IDLE_TIMEOUT = timedelta(days=7)  # ranks wait for the next command as long as the group lives
-
-
-def config_from_message(config: dict, data: str | None, device: str) -> TrainConfig:
-    """The group's TrainConfig from a train/evaluate message's config (kebab-case keys)."""
-    fields = {f: config[P.kebab(f)] for f in P.GROUP_FIELDS if P.kebab(f) in config}
-    cfg = TrainConfig(
-        groups=int(config[P.NUM_GROUPS]),
-        nproc_per_group=dist.get_world_size(),
-        local_steps=int(config[P.LOCAL_STEPS]),
-        rounds=int(config[P.NUM_SERVER_ROUNDS]),
-        outer=str(config.get(P.OUTER_OPTIMIZER, "fedavg")),
-        outer_lr=float(config.get(P.OUTER_LR, 0.7)),
-        outer_momentum=float(config.get(P.OUTER_MOMENTUM, 0.9)),
-        data=data,
-        device=device,
-        eval_every=0,
-        quiet=True,
-        **fields,
-    )
-    return cfg.validate()
 
 
 VALUE_FAULTS = ("nan", "huge")  # spoil the weights themselves (before any compression)
@@ -177,7 +158,9 @@ class GroupWorker:
         key = run_key(config)
         if key == self.run_key:
             return
-        cfg = config_from_message(config, self.data, self.device_pref)
+        cfg = train_config_from_message(
+            config, nproc_per_group=dist.get_world_size(), data=self.data, device=self.device_pref
+        )
         self.trainer = GroupTrainer(
             cfg, self.data_dir, group_index=int(config[P.GROUP_INDEX]), num_groups=cfg.groups
         )
@@ -269,7 +252,9 @@ class GroupWorker:
         """
         if run_key(config) == self.run_key:
             return
-        cfg = config_from_message(config, self.data, self.device_pref)
+        cfg = train_config_from_message(
+            config, nproc_per_group=dist.get_world_size(), data=self.data, device=self.device_pref
+        )
         prepare_for(self.data_dir, cfg)
         if (
             resume_round(config) > 0

@@ -50,18 +50,12 @@ class HeldOutEvaluator:
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         import torch
 
-        from flower_shard.runtime.trainer import lm_loss
+        from flower_shard.runtime.evaluation import loss_sums
 
         state = {k: torch.from_numpy(v.numpy()) for k, v in arrays.items()}
         self.model.load_state_dict(state, strict=True)
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, len(self.blocks), self.batch_size):
-                rows = torch.from_numpy(self.blocks[i : i + self.batch_size].astype(np.int64))
-                losses = lm_loss(self.model, rows[:, :-1], rows[:, 1:], reduction="none")
-                total += losses.double().sum().item()
-                count += losses.numel()
-        return MetricRecord({P.EVAL_LOSS: total / count})
+        total = loss_sums(self.model, self.blocks, self.batch_size)
+        return MetricRecord({P.EVAL_LOSS: (total[0] / total[1]).item()})
 
 
 def host_rendezvous(address: str, timeout_s: float):

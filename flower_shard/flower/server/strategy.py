@@ -33,7 +33,7 @@ from flower_shard.flower.server.aggregation import (
 from flower_shard.flower.wire import describe, flatten, pack, unflatten, unflatten_flat, unpack
 from flower_shard.planning.adaptive import AdaptiveT
 from flower_shard.runtime import compression as Z
-from flower_shard.ux import metrics as M
+from flower_shard.runtime.evaluation import perplexity
 
 
 class ShardedFedAvg(FedAvg):
@@ -433,7 +433,7 @@ class ShardedFedAvg(FedAvg):
         }
         if eval_loss is not None:
             record[P.EVAL_LOSS] = eval_loss
-            record[P.EVAL_PPL] = M.perplexity(eval_loss)
+            record[P.EVAL_PPL] = perplexity(eval_loss)
         return record
 
     def _evaluate(self, rnd, arrays, config, grid, evaluate_fn) -> float | None:
