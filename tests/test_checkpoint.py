@@ -12,6 +12,7 @@ from conftest import flat_state, torchrun, train_cli
 
 from flower_shard import protocol as P
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.preflight import check
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
 
@@ -71,7 +72,7 @@ def test_server_checkpoint_round_trip(tmp_path):
 
 def test_resume_needs_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="checkpoints"):
-        TrainConfig(resume=str(tmp_path)).validate()
+        check(TrainConfig(resume=str(tmp_path)))
     with pytest.raises(ConfigError, match="checkpoint-every"):
         TrainConfig(checkpoint_every=-1).validate()
 

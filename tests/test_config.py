@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.preflight import check
 from flower_shard.runtime.topology import Topology
 
 
@@ -52,7 +53,7 @@ def test_topology_degrees_and_membership():
 )
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**kwargs).validate()
+        check(TrainConfig(**kwargs))
 
 
 @pytest.mark.parametrize(

@@ -432,6 +432,7 @@ def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
 def test_bad_run_config_fails_with_one_line():
     from flower_shard.config import ConfigError
     from flower_shard.config.federation import FederationConfig
+    from flower_shard.preflight import check_federation
 
     for bad, message in (
         ({"transport": "carrier-pigeon"}, "transport"),
@@ -449,7 +450,7 @@ def test_bad_run_config_fails_with_one_line():
         ({"round-seconds": 700.0}, "below round-timeout"),
     ):
         with pytest.raises(ConfigError, match=message):
-            FederationConfig.from_run_config(bad)
+            check_federation(FederationConfig.from_run_config(bad))
     assert json.dumps(FederationConfig.from_run_config({}).group_config())
 
 

@@ -21,7 +21,7 @@ from flower_shard.data.partition import (
     partition_data,
 )
 from flower_shard.data.sources import count_sources, source_of
-from flower_shard.preflight import check_fits
+from flower_shard.preflight import check, check_fits
 from flower_shard.ux.cli import build_parser, config_from_args
 
 SEQ = 31  # blocks of 32 tokens: a few hundred blocks from the small corpus below
@@ -298,14 +298,12 @@ def test_bad_labels_fail_with_one_line(tmp_path, text_corpus):
 def test_bad_partition_settings_fail_with_one_line(text_corpus, changes, message):
     cfg = TrainConfig(data=str(text_corpus), **changes)
     with pytest.raises(ConfigError, match=message) as info:
-        cfg.validate()
+        check(cfg)
     assert "\n" not in str(info.value)
 
 
 def test_good_partition_settings_validate(text_corpus):
-    TrainConfig(
-        data=str(text_corpus), partition="by-source", groups=5, nproc_per_group=1
-    ).validate()
+    check(TrainConfig(data=str(text_corpus), partition="by-source", groups=5, nproc_per_group=1))
     TrainConfig(partition="dirichlet", partition_label="directory", dirichlet_alpha=0.1).validate()
 
 

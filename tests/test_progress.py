@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from flower_shard import protocol as P
+from flower_shard.preflight import check
 from flower_shard.ux import metrics as M
 from flower_shard.ux.formatting import format_round
 from flower_shard.ux.progress import RoundDisplay, format_table, is_interactive
@@ -159,7 +160,7 @@ def test_tensorboard_missing_fails_before_anything_starts(tmp_path, monkeypatch,
     # None in sys.modules is how Python marks a module as not importable.
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ConfigError, match="pip install tensorboard"):
-        TrainConfig(tensorboard=True).validate()
+        check(TrainConfig(tensorboard=True))
     with pytest.raises(ConfigError, match="pip install tensorboard"):
         M.MetricsLogger(tmp_path / "log", tensorboard=True)
     assert main(["train", "--out", str(tmp_path / "run"), "--tensorboard"]) == 2

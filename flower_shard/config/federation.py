@@ -112,7 +112,8 @@ class FederationConfig:
         host, _, port = self.collective_address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"collective-address {self.collective_address!r} must be HOST:PORT")
-        # The group-level checks (model, T, rounds, ...) with a stand-in topology.
+        # The group-level field checks (T, rounds, ...) with a stand-in topology; the ones that
+        # need I/O are flower_shard.preflight.check_federation's.
         dataclasses.replace(self.train, groups=1, nproc_per_group=1, nnodes=1).validate()
         return self
 

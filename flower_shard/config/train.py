@@ -152,11 +152,11 @@ class TrainConfig:
         )
 
     def validate(self) -> TrainConfig:
-        """Raise :class:`ConfigError` on the first wrong value; return self when all is well."""
-        from flower_shard.runtime.models import (
-            PRESETS,  # local import: models pulls in transformers
-        )
+        """Raise :class:`ConfigError` on the first wrong value; return self when all is well.
 
+        Field checks only: what needs the disk, ``transformers`` or CUDA (the data, the model
+        directory, the tokenizer, a run to resume) is :func:`flower_shard.preflight.check`'s.
+        """
         _positive("--groups", self.groups)
         _positive("--nproc-per-group", self.nproc_per_group)
         _positive("--nnodes", self.nnodes)
@@ -185,30 +185,13 @@ class TrainConfig:
                 "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
                 "--sync-optimizer-state or use --compression none"
             )
-        if self.model not in PRESETS:
-            if not Path(self.model).exists():
-                raise ConfigError(
-                    f"--model {self.model!r} is unknown; choose one of {', '.join(PRESETS)}, or "
-                    "give a local transformers model directory (with config.json)"
-                )
-            from flower_shard.runtime.models import hf_config
-
-            positions = getattr(hf_config(self.model), "max_position_embeddings", None)
-            if positions is not None and self.seq_len > positions:
-                raise ConfigError(
-                    f"--seq-len {self.seq_len} exceeds --model {self.model}'s "
-                    f"max_position_embeddings {positions}; use a shorter --seq-len"
-                )
         if self.world_size % self.nnodes:
             raise ConfigError(
                 f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
                 f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
                 "the same number of ranks"
             )
-        # Topology owns the N = G x K and K = R x S checks and their messages.
-        from flower_shard.runtime.topology import Topology
-
-        Topology(self.world_size, self.groups, self.sharding, self.replicate)
+        check_degrees(self.world_size, self.groups, self.sharding, self.replicate)
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -223,11 +206,6 @@ class TrainConfig:
             raise ConfigError(
                 "--checkpoint-every and --keep-checkpoints must be >= 0 (0: never / keep all)"
             )
-        if self.resume is not None and not Path(self.resume, "checkpoints").is_dir():
-            raise ConfigError(
-                f"--resume {self.resume}: no checkpoints/ there; give the output directory of a "
-                "run that ran with --checkpoint-every > 0"
-            )
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
@@ -235,27 +213,13 @@ class TrainConfig:
                 f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
                 f"{self.outer_lr} and {self.outer_momentum}"
             )
-        if self.data is not None:
-            check_data(self.data)
         if not self.text_column:
             raise ConfigError("--text-column must name a field of the records, got ''")
         self._validate_partition()
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
-            raise ConfigError(
-                f"--tokenizer {self.tokenizer}: no such directory; give a local Hugging Face "
-                "tokenizer directory (with tokenizer.json), or leave it out for bytes"
-            )
-        if self.tensorboard:
-            require_tensorboard()
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("--device cuda: no CUDA device here; use --device cpu or auto")
         return self
 
     def _validate_partition(self) -> None:
-        """The --partition settings; for `by-source`, also that the data has enough sources."""
+        """The --partition settings."""
         _choice("--partition", self.partition, PARTITIONS)
         if not self.dirichlet_alpha > 0:  # `not >` also refuses NaN
             raise ConfigError(
@@ -272,16 +236,6 @@ class TrainConfig:
                 f"--partition-label applies to --partition dirichlet only, not {self.partition!r}; "
                 "drop it or use --partition dirichlet"
             )
-        if self.partition == "by-source" and self.groups > 1:
-            from flower_shard.data.sources import count_sources
-
-            sources = count_sources(self.data)
-            if sources < self.groups:
-                raise ConfigError(
-                    f"--partition by-source: the data has {sources} source(s) (top-level "
-                    f"directories or files) for {self.groups} groups; use at most {sources} "
-                    "groups, split the data into more directories, or use --partition dirichlet"
-                )
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write the configuration as JSON (what the ranks read)."""
@@ -298,33 +252,6 @@ class TrainConfig:
         return cls(**raw)
 
 
-def check_data(data: str, flag: str = "--data") -> None:
-    """Raise :class:`ConfigError` unless ``data`` is a directory or a .jsonl / .parquet file."""
-    from flower_shard.data.sources import RECORD_SUFFIXES
-
-    path = Path(data)
-    if not path.is_dir() and not (path.is_file() and path.suffix in RECORD_SUFFIXES):
-        raise ConfigError(
-            f"{flag} {data}: no such directory or .jsonl / .parquet file; point it "
-            "at a directory of text files or at a .jsonl / .parquet file"
-        )
-
-
-def require_tensorboard(flag: str = "--tensorboard") -> None:
-    """Raise :class:`ConfigError` unless the ``tensorboard`` package is installed.
-
-    ``torch.utils.tensorboard`` needs it; looked up without importing it (seconds), so a
-    run fails before any process starts.
-    """
-    from importlib.util import find_spec
-
-    if find_spec("tensorboard") is None:
-        raise ConfigError(
-            f"{flag} needs the tensorboard package: pip install tensorboard "
-            "(it is in flower-shard's dev extra)"
-        )
-
-
 def _positive(flag: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
@@ -333,3 +260,24 @@ def _positive(flag: str, value: int) -> None:
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{flag} {value!r} is unknown; choose one of {', '.join(choices)}")
+
+
+def check_degrees(world_size: int, groups: int, sharding: str = "fsdp", replicate: int = 1) -> None:
+    """Raise :class:`ConfigError` unless N = G x K and K = R x S hold (the topology's degrees)."""
+    n, g, r = world_size, groups, replicate
+    if n < 1 or g < 1:
+        raise ConfigError(f"world size {n} and groups {g} must both be >= 1")
+    if n % g:
+        raise ConfigError(
+            f"world size N = {n} is not divisible by --groups {g}: N = G x K needs every "
+            f"group to have the same K; use a G that divides {n} or change --nproc-per-group"
+        )
+    _choice("--sharding", sharding, SHARDING_MODES)
+    if sharding == "fsdp" and r != 1:
+        raise ConfigError(f"--replicate {r} needs --sharding hsdp (FSDP has no replicate dim)")
+    k = n // g
+    if r < 1 or k % r:
+        raise ConfigError(
+            f"--replicate {r} does not divide the group size K = {k}: HSDP needs "
+            f"K = R x S; pick R among {[d for d in range(1, k + 1) if k % d == 0]}"
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.launch.processes import start_marked, stop_tree
-from flower_shard.preflight import prepare_for
+from flower_shard.preflight import check, prepare_for
 
 
 def torchrun_command(
@@ -69,8 +69,8 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
 
 
 def prepare_run(cfg: TrainConfig) -> Path:
-    """Validate, prepare the corpus into OUT/data, write OUT/config.json; return its path."""
-    cfg.validate()
+    """Check, prepare the corpus into OUT/data, write OUT/config.json; return its path."""
+    check(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     prepare_for(out / F.DATA_DIR, cfg)

@@ -32,7 +32,7 @@ class Candidate:
 
 
 def model_params(name: str) -> int:
-    from flower_shard.runtime.models import PRESETS
+    from flower_shard.config.presets import PRESETS
 
     p = PRESETS[name]
     return llama_params(
@@ -114,7 +114,7 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> int:
-    from flower_shard.runtime.models import PRESETS
+    from flower_shard.config.presets import PRESETS
 
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r} is unknown; choose one of {', '.join(PRESETS)}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flower_shard.config import ConfigError
+from flower_shard.config.train import check_degrees
 
 
 @dataclass(frozen=True)
@@ -32,24 +32,7 @@ class Topology:
     """R: HSDP replicate degree (1 for FSDP)."""
 
     def __post_init__(self) -> None:
-        n, g, r = self.world_size, self.groups, self.replicate
-        if n < 1 or g < 1:
-            raise ConfigError(f"world size {n} and groups {g} must both be >= 1")
-        if n % g:
-            raise ConfigError(
-                f"world size N = {n} is not divisible by --groups {g}: N = G x K needs every "
-                f"group to have the same K; use a G that divides {n} or change --nproc-per-group"
-            )
-        if self.sharding not in ("fsdp", "hsdp"):
-            raise ConfigError(f"--sharding {self.sharding!r} is unknown; choose fsdp or hsdp")
-        if self.sharding == "fsdp" and r != 1:
-            raise ConfigError(f"--replicate {r} needs --sharding hsdp (FSDP has no replicate dim)")
-        k = n // g
-        if r < 1 or k % r:
-            raise ConfigError(
-                f"--replicate {r} does not divide the group size K = {k}: HSDP needs "
-                f"K = R x S; pick R among {[d for d in range(1, k + 1) if k % d == 0]}"
-            )
+        check_degrees(self.world_size, self.groups, self.sharding, self.replicate)
 
     @property
     def group_size(self) -> int:

@@ -151,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             return export_from_args(args)
         from flower_shard import runfiles
         from flower_shard.launch.torchrun import launch_train, torchrun_command
+        from flower_shard.preflight import check
 
         cfg = config_from_args(args)
         if args.dry_run:
             # The command may be meant for another host: CUDA need not be present here.
-            dataclasses.replace(cfg, device="auto").validate()
+            check(dataclasses.replace(cfg, device="auto"))
             cmd = torchrun_command(
                 cfg,
                 Path(cfg.out, runfiles.CONFIG_FILE),

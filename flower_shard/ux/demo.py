@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from flower_shard import protocol as P
-from flower_shard.config.train import ConfigError, require_tensorboard
+from flower_shard.config import ConfigError
 from flower_shard.launch.processes import free_port
+from flower_shard.preflight import require_tensorboard
 from flower_shard.ux.progress import RoundDisplay
 
 

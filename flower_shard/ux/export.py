@@ -105,7 +105,8 @@ def _skeleton(model: str, state: Mapping, seq_len: int | None):
 
     A preset's vocabulary grew to the run's tokenizer: the saved embedding says how far.
     """
-    from flower_shard.runtime.models import build_model, is_preset
+    from flower_shard.config.presets import is_preset
+    from flower_shard.runtime.models import build_model
 
     if not is_preset(model):
         return build_model(model, load_weights=False)
@@ -155,7 +156,7 @@ def export_pretrained(
     """
     import torch
 
-    from flower_shard.runtime.models import is_preset
+    from flower_shard.config.presets import is_preset
 
     source = state_dict_or_safetensors_path
     if isinstance(source, (str, os.PathLike)):
@@ -211,7 +212,7 @@ def add_export_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def export_from_args(args: argparse.Namespace) -> int:
-    from flower_shard.runtime.models import is_preset
+    from flower_shard.config.presets import is_preset
 
     run = run_model(args.run_dir, args.model, args.tokenizer)
     # The run recorded paths as given when it started: relative ones resolve from there only.

@@ -88,7 +88,8 @@ def tensorboard_writer(directory: str | os.PathLike):
     ConfigError
         The ``tensorboard`` package is missing (``torch.utils.tensorboard`` needs it).
     """
-    from flower_shard.config.train import ConfigError, require_tensorboard
+    from flower_shard.config import ConfigError
+    from flower_shard.preflight import require_tensorboard
 
     require_tensorboard()
     try:

@@ -42,7 +42,7 @@ from flower_shard.config import ConfigError
 from flower_shard.config.federation import train_config_from_message
 from flower_shard.flower import wire
 from flower_shard.flower.wire import flatten, pack, unpack
-from flower_shard.preflight import prepare_for
+from flower_shard.preflight import check, prepare_for
 from flower_shard.runtime import checkpoint as C
 from flower_shard.runtime import compression as Z
 from flower_shard.runtime.distributed import init_distributed
@@ -255,7 +255,7 @@ class GroupWorker:
         cfg = train_config_from_message(
             config, nproc_per_group=dist.get_world_size(), data=self.data, device=self.device_pref
         )
-        prepare_for(self.data_dir, cfg)
+        prepare_for(self.data_dir, check(cfg))
         if (
             resume_round(config) > 0
             and config.get(P.TRANSPORT) == "collective"

@@ -21,10 +21,11 @@ from pathlib import Path
 from cryptography import x509
 
 from flower_shard import protocol as P
-from flower_shard.config.train import ConfigError, check_data
+from flower_shard.config import ConfigError
 from flower_shard.flower.certificates import load_supernode_private_key, load_supernode_public_key
 from flower_shard.flower.node import fast_supernode
 from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
+from flower_shard.preflight import check_data
 
 
 @dataclass

@@ -26,6 +26,7 @@ from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig
+from flower_shard.preflight import check_federation
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
 
@@ -100,7 +101,7 @@ def main(grid: Grid, context: Context) -> None:
     out = Path(str(run_config.get(P.OUT_DIR) or TrainConfig.out)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        fed = FederationConfig.from_run_config(run_config)
+        fed = check_federation(FederationConfig.from_run_config(run_config))
         out = Path(fed.train.out).resolve()
         out.mkdir(parents=True, exist_ok=True)
         run(grid, fed, out)
@@ -218,7 +219,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
 
 def _resolved(path: str | None) -> str | None:
     """A local path made absolute (the run dir may be read from elsewhere); presets unchanged."""
-    from flower_shard.runtime.models import is_preset
+    from flower_shard.config.presets import is_preset
 
     if not path or is_preset(path) or not Path(path).exists():
         return path
