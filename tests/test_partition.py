@@ -271,7 +271,7 @@ def test_dirichlet_over_a_record_field(tmp_path):
 
 def test_bad_labels_fail_with_one_line(tmp_path, text_corpus):
     data = write_records(tmp_path / "d.jsonl", [{"text": "abc" * 50, "lang": "en"}] * 20)
-    with pytest.raises(ConfigError, match="--partition-label 'topic': line 1 of .* no such field"):
+    with pytest.raises(ConfigError, match="--partition-label 'topic': record 0 of .* no such"):
         prepare_corpus(tmp_path / "p1", str(data), partition_label="topic")
     with pytest.raises(ConfigError, match="is a text file, which has no fields; use --partition"):
         prepare_corpus(tmp_path / "p2", text_corpus, partition_label="lang")

@@ -1,7 +1,9 @@
 """A prepared corpus on disk: the token streams, their description and the training documents.
 
-:func:`prepare_corpus` writes ``train.npy``, ``eval.npy``, ``corpus.json`` and ``train_docs.npz``;
-the ranks memory-map the streams as blocks of ``seq_len + 1`` tokens (:func:`load_blocks`).
+:func:`prepare_corpus` writes ``train.npy``, ``eval.npy``, ``corpus.json`` and ``train_docs.npz``
+(tokenised on several workers in bounded memory by :mod:`flower_shard.data.prepare`, and shared
+between the runs of a host through :mod:`flower_shard.data.cache`); the ranks memory-map the
+streams as blocks of ``seq_len + 1`` tokens (:func:`load_blocks`).
 """
 
 from __future__ import annotations
@@ -9,32 +11,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from flower_shard.config import ConfigError
-from flower_shard.data.sources import (
-    RECORD_SUFFIXES,
-    SOURCE_LABEL,
-    _documents,
-    is_held_out,
-    list_documents,
-    source_of,
-)
+from flower_shard.data import cache, pretokenized
+from flower_shard.data.prepare import Job, tokenise
+from flower_shard.data.sources import RECORD_SUFFIXES, SOURCE_LABEL, list_documents
 from flower_shard.data.tokenizers import load_tokenizer
 
 TRAIN_FILE = "train.npy"
-
-
 EVAL_FILE = "eval.npy"
-
-
 META_FILE = "corpus.json"
-
-
 DOCS_FILE = "train_docs.npz"  # per training document: start in train.npy, source, label
+FORMAT = 2  # bump when what prepare_corpus writes changes: older preparations are redone
 
 
 @dataclass(frozen=True)
@@ -64,81 +57,115 @@ def prepare_corpus(
     eval_fraction: float = 0.05,
     text_column: str = "text",
     partition_label: str | None = None,
+    workers: int = 0,
 ) -> CorpusInfo:
     """Tokenise the corpus into ``out_dir`` (train.npy, eval.npy, corpus.json, train_docs.npz)
     and describe it.
 
     ``partition_label`` (``--partition-label``): a record field is read into train_docs.npz as
     each training document's label; None or ``directory`` read nothing more (sources are
-    always recorded). Reuses an earlier preparation in ``out_dir`` when it was made from the
-    same files (same names, sizes and modification times), tokenizer, split and, for record
-    files, text column and label field.
+    always recorded). ``workers``: tokenising processes (0: one per core). A preparation of the
+    same files (names, sizes, modification times), tokenizer, split, text column and label
+    field is reused: from ``out_dir`` itself, or from the host's cache (hard links).
     """
     label_field = None if partition_label in (None, SOURCE_LABEL) else partition_label
     root, files = list_documents(source)
-    tok = load_tokenizer(tokenizer)
-    fingerprint = hashlib.sha256()
-    for rel in files:
-        st = (root / rel).stat()
-        fingerprint.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    fingerprint.update(f"{tok.name}\0{eval_fraction}".encode())
-    # Only record files read the column: leave text-only fingerprints (and caches) as they were.
-    if any(Path(rel).suffix in RECORD_SUFFIXES for rel in files):
-        fingerprint.update(f"\0column={text_column}".encode())
-    if label_field is not None:  # without one, fingerprints (and caches) stay as they were
-        fingerprint.update(f"\0label={label_field}".encode())
+    vocab_size, eos_id, name = _vocabulary(source, tokenizer)
+    fingerprint = corpus_fingerprint(root, files, name, eval_fraction, text_column, label_field)
     out = Path(out_dir)
-    stamp = out / "fingerprint"
-    fresh = stamp.exists() and stamp.read_text() == fingerprint.hexdigest()
-    # A preparation made before train_docs.npz existed is redone (train.npy comes out the same).
-    if fresh and (out / DOCS_FILE).exists():
+    if cache.complete(out, fingerprint) and (out / DOCS_FILE).exists():
         return CorpusInfo.load(out)
-
-    streams: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    counts = {False: 0, True: 0}
-    eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    # Per training document: where it starts in the training stream, its source, its label.
-    starts, sources, labels, position = [], [], [], 0
-    for rel, name, text, label in _documents(root, files, text_column, label_field):
-        held_out = is_held_out(name, eval_fraction)
-        ids = tok.encode(text).astype(np.uint32)
-        streams[held_out] += [ids, eos]
-        counts[held_out] += 1
-        if not held_out:
-            starts.append(position)
-            sources.append(source_of(rel))
-            labels.append(label)
-            position += ids.size + 1
-    if not counts[False] or not counts[True]:
-        raise ConfigError(
-            f"corpus {source or root}: {sum(counts.values())} document(s) cannot be split into "
-            f"training and held-out documents with --eval-fraction {eval_fraction}; add data "
-            "or change the fraction"
-        )
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    out.mkdir(parents=True, exist_ok=True)
-    sizes = {}
-    for held_out, name in ((False, TRAIN_FILE), (True, EVAL_FILE)):
-        tokens = np.concatenate(streams[held_out]).astype(dtype)
-        tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as fh:
-            np.save(fh, tokens)
-        os.replace(tmp, out / name)
-        sizes[held_out] = int(tokens.size)
-    write_documents(out, starts, sources, labels if label_field is not None else None, label_field)
-    info = CorpusInfo(
-        directory=str(out),
-        vocab_size=tok.vocab_size,
-        eos_id=tok.eos_id,
-        tokenizer=tok.name,
-        train_tokens=sizes[False],
-        eval_tokens=sizes[True],
-        train_files=counts[False],
-        eval_files=counts[True],
+    job = Job(
+        str(root),
+        tokenizer,
+        eval_fraction,
+        text_column,
+        label_field,
+        "",
+        "uint16" if vocab_size <= 2**16 else "uint32",
     )
-    (out / META_FILE).write_text(json.dumps(info.__dict__, indent=2) + "\n")
-    stamp.write_text(fingerprint.hexdigest())
+    meta = {"vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": name}
+    workers = workers or os.cpu_count() or 1
+    what = str(source or root)
+    entry_root = cache.cache_root()
+    if entry_root is None:
+        counts = _prepare_into(out, job, files, workers, what, fingerprint)
+    else:
+        entry = entry_root / fingerprint[:32]
+        with cache.locked(entry):
+            if not cache.complete(entry, fingerprint):
+                _prepare_into(entry, job, files, workers, what, fingerprint)
+        counts = json.loads((entry / META_FILE).read_text())
+        cache.link_files(entry, out, (TRAIN_FILE, EVAL_FILE, DOCS_FILE))
+    keys = ("train_tokens", "eval_tokens", "train_files", "eval_files")
+    info = CorpusInfo(directory=str(out), **meta, **{k: counts[k] for k in keys})
+    (out / cache.STAMP).unlink(missing_ok=True)
+    (out / META_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    (out / cache.STAMP).write_text(fingerprint)
     return info
+
+
+def _vocabulary(source, tokenizer: str | None) -> tuple[int, int, str]:
+    """(vocab_size, eos_id, name) of the tokenizer, or of an already-tokenised corpus."""
+    if pretokenized.is_pretokenized(source):
+        if tokenizer is not None:
+            raise ConfigError(
+                f"--data {source} is already tokenised ({pretokenized.META}): drop --tokenizer"
+            )
+        spec = pretokenized.read_spec(Path(source))
+        return spec.vocab_size, spec.eos_id, spec.name
+    tok = load_tokenizer(tokenizer)
+    return tok.vocab_size, tok.eos_id, tok.name
+
+
+def corpus_fingerprint(root, files, tokenizer, eval_fraction, text_column, label_field) -> str:
+    """What a preparation depends on: the files (names, sizes, modification times; every file of
+    a dataset directory), the tokenizer, the split, the text column and the label field."""
+    h = hashlib.sha256(f"format={FORMAT}\n".encode())
+    for rel in files:
+        path = root / rel
+        inside = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for p in inside:
+            st = p.stat()
+            h.update(f"{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update(f"{tokenizer}\0{eval_fraction}".encode())
+    if any(Path(rel).suffix in RECORD_SUFFIXES or (root / rel).is_dir() for rel in files):
+        h.update(f"\0column={text_column}".encode())
+    if label_field is not None:
+        h.update(f"\0label={label_field}".encode())
+    return h.hexdigest()
+
+
+def _prepare_into(dest: Path, job: Job, files, workers: int, what: str, fingerprint: str) -> dict:
+    """Tokenise into ``dest`` (a run's data directory or a cache entry); return the counts."""
+    from flower_shard.data.prepare import join
+
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / cache.STAMP).unlink(missing_ok=True)
+    shard_dir = dest / ".shards"
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    shard_dir.mkdir()
+    job = Job(**{**asdict(job), "shard_dir": str(shard_dir)})
+    try:
+        shards = tokenise(job, files, workers, what)
+        counts = {
+            "train_tokens": sum(s.train_tokens for s in shards),
+            "eval_tokens": sum(s.eval_tokens for s in shards),
+            "train_files": sum(s.train_docs for s in shards),
+            "eval_files": sum(s.eval_docs for s in shards),
+        }
+        if not counts["train_files"] or not counts["eval_files"]:
+            raise ConfigError(
+                f"corpus {what}: {counts['train_files'] + counts['eval_files']} document(s) "
+                "cannot be split into training and held-out documents with --eval-fraction "
+                f"{job.eval_fraction}; add data or change the fraction"
+            )
+        join(shards, shard_dir, dest, job.dtype, job.label_field)
+    finally:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    (dest / META_FILE).write_text(json.dumps({"directory": str(dest), **counts}, indent=2) + "\n")
+    (dest / cache.STAMP).write_text(fingerprint)
+    return counts
 
 
 def load_blocks(directory: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
@@ -186,33 +213,6 @@ class TrainDocuments:
                 f"{self.label_field!r}; prepare it again with this --partition-label"
             )
         return self.label_ids
-
-
-def write_documents(
-    out: Path,
-    starts: list[int],
-    sources: list[str],
-    labels: list[str] | None,
-    label_field: str | None,
-) -> None:
-    """Save the training documents' starts, sources and labels as ``out/train_docs.npz``."""
-    source_names, source_ids = np.unique(np.asarray(sources, dtype=str), return_inverse=True)
-    arrays = {
-        "starts": np.asarray(starts, dtype=np.int64),
-        "source_ids": source_ids.astype(np.int64),
-        "sources": source_names,
-    }
-    if labels is not None:
-        label_names, label_ids = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
-        arrays |= {
-            "label_ids": label_ids.astype(np.int64),
-            "labels": label_names,
-            "label_field": np.asarray(label_field),
-        }
-    tmp = out / f".{DOCS_FILE}.tmp"
-    with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
-    os.replace(tmp, out / DOCS_FILE)
 
 
 def load_documents(directory: str | os.PathLike) -> TrainDocuments:

@@ -19,6 +19,9 @@ class ByteTokenizer:
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
+    def encode_batch(self, texts: list[bytes]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never from a hub)."""
@@ -39,9 +42,16 @@ class HFTokenizer:
         self.eos_id = eos if eos is not None else self.vocab_size - 1
 
     def encode(self, data: bytes) -> np.ndarray:
-        ids = self._tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)
-        return np.asarray(ids["input_ids"], dtype=np.uint32)
+        return self.encode_batch([data])[0]
+
+    def encode_batch(self, texts: list[bytes]) -> list[np.ndarray]:
+        """The ids of each text (UTF-8; invalid bytes replaced), in one call of the fast
+        tokenizer (the same ids as one call per text: no padding, no truncation)."""
+        decoded = [t.decode("utf-8", errors="replace") for t in texts]
+        ids = self._tok(decoded, add_special_tokens=False, verbose=False)["input_ids"]
+        return [np.asarray(i, dtype=np.uint32) for i in ids]
 
 
 def load_tokenizer(path: str | None):
+    """The byte tokenizer (``path`` None) or the Hugging Face tokenizer in directory ``path``."""
     return ByteTokenizer() if path is None else HFTokenizer(path)
