@@ -1,0 +1,202 @@
+"""One aggregator process: the data plane's gRPC service over an :class:`AggregatorState`.
+
+Three calls (generic handlers, raw bytes, no generated code):
+
+- ``Upload`` (a rank's stream): an opening JSON header (run, round, group, rank, token, the
+  group's token weight, compression), then one frame per chunk; answered with a JSON summary.
+  A stream with a wrong or replayed token, for a round that is not open, or from a group already
+  rejected is refused at once; a bad frame rejects the group (all its ranks' frames, here) and
+  ends the stream with the reason. Frames are read one at a time as gRPC delivers them (its flow
+  control holds a fast sender back), so memory does not follow the sender's pace.
+- ``Download`` (a rank's request): JSON with the ranks's token, the element ranges of its shard
+  and the round of its last global model; answered with a stream of frames.
+- ``Control`` (the ServerApp): JSON commands carrying the control token (configure, begin,
+  status, commit, save, load, shutdown).
+
+It listens on exactly the address it is given, with TLS unless started insecure on purpose.
+
+    python -m flower_shard.dataplane.aggregator --listen HOST:PORT --secret-file FILE
+        --work-dir DIR [--tls-cert CERT --tls-key KEY | --insecure]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+from flower_shard import logs
+from flower_shard.dataplane import control, tickets, wire
+
+log = logging.getLogger(__name__)
+MAX_STREAMS = 256  # concurrent calls: beyond this, callers wait (bounded threads and buffers)
+
+
+class DataPlaneService:
+    """The handlers; :attr:`state` is set by the ServerApp's ``configure`` command."""
+
+    def __init__(self, secret: str, work_dir: Path):
+        self.secret, self.work_dir = secret, work_dir
+        self.state = None
+        self.run = None
+        self.stopped = threading.Event()
+
+    # -- uplink --------------------------------------------------------------------------
+
+    def upload(self, frames, context) -> bytes:
+        try:
+            head = wire.from_json(next(frames))
+            run, rnd = str(head["run"]), int(head["round"])
+            group, rank = int(head["group"]), int(head["rank"])
+        except (StopIteration, ValueError, KeyError, TypeError) as exc:
+            return wire.to_json({"ok": False, "reason": f"malformed stream header ({exc})"})
+        reason = self._admit(run, rnd, group, rank, head.get("token", ""))
+        if reason:
+            log.warning("refused a stream of group %s rank %s: %s", group, rank, reason)
+            return wire.to_json({"ok": False, "reason": reason})
+        spool = self.state.spool(group)
+        reason = spool.rejected or spool.declare(_weight(head.get("weight")))
+        if head.get("compression") != self.state.uplink:
+            reason = (
+                reason or f"compression {head.get('compression')!r}, expected {self.state.uplink!r}"
+            )
+        count = 0
+        if reason is None:
+            for frame in frames:
+                reason = spool.add(frame)
+                if reason:
+                    break
+                count += 1
+        if reason:
+            spool.reject(f"rank {rank}: {reason}")
+            log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
+            return wire.to_json({"ok": False, "reason": reason})
+        return wire.to_json({"ok": True, "frames": count, "complete": spool.complete})
+
+    def _admit(self, run: str, rnd: int, group: int, rank: int, token: str) -> str | None:
+        if self.state is None:
+            return "the aggregator is not configured yet"
+        if run != self.run or rnd != self.state.open_round:
+            return f"round {rnd} of run {run!r} is not open for uploads"
+        if not tickets.valid(self.secret, run, rnd, group, rank, token):
+            return "a wrong token for this run, round, group and rank"
+        return None
+
+    # -- downlink ------------------------------------------------------------------------
+
+    def download(self, request: bytes, context):
+        try:
+            req = wire.from_json(request)
+            run, rnd = str(req["run"]), int(req["round"])
+            group, rank = int(req["group"]), int(req["rank"])
+            ranges = [(int(p), int(a), int(b)) for p, a, b in req["ranges"]]
+            have = int(req.get("have_round", -1))
+        except (ValueError, KeyError, TypeError) as exc:
+            context.abort(_invalid(), f"malformed download request ({exc})")
+        if self.state is None or run != self.run or rnd != self.state.open_round:
+            context.abort(_denied(), f"round {rnd} of run {run!r} is not open")
+        if not tickets.valid(self.secret, run, rnd, group, rank, req.get("token", "")):
+            context.abort(_denied(), "a wrong token for this run, round, group and rank")
+        mode = self.state.mode(have)
+        kind = self.state.downlink if mode == "delta" else "none"
+        yield wire.to_json(
+            {
+                "mode": mode,
+                "kind": kind,
+                "scale_chunk": self.state.scale_chunk,
+                "round": self.state.round,
+            }
+        )
+        for param, start, stop in ranges:
+            try:
+                yield from self.state.frames(param, start, stop, mode)
+            except ValueError as exc:
+                context.abort(_invalid(), str(exc))
+
+    # -- the ServerApp -------------------------------------------------------------------
+
+    def control(self, request: bytes, context) -> bytes:
+        try:
+            return wire.to_json(control.handle(self, wire.from_json(request)))
+        except control.Refused as exc:
+            context.abort(_denied(), str(exc))
+        except (ValueError, KeyError, TypeError) as exc:
+            return wire.to_json({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
+
+
+def _weight(value) -> float:
+    """A declared weight as a float; NaN for anything else (the ServerApp refuses it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)
+
+
+def _invalid():
+    import grpc
+
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _denied():
+    import grpc
+
+    return grpc.StatusCode.PERMISSION_DENIED
+
+
+def serve(listen: str, secret: str, work_dir: Path, tls: tuple[bytes, bytes] | None) -> tuple:
+    """Start the service on exactly ``listen``; returns (grpc server, service)."""
+    import grpc
+
+    service = DataPlaneService(secret, work_dir)
+    handlers = {
+        wire.UPLOAD: grpc.stream_unary_rpc_method_handler(service.upload),
+        wire.DOWNLOAD: grpc.unary_stream_rpc_method_handler(service.download),
+        wire.CONTROL: grpc.unary_unary_rpc_method_handler(service.control),
+    }
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32),
+        options=wire.GRPC_OPTIONS,
+        maximum_concurrent_rpcs=MAX_STREAMS,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+    if tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
+    if port == 0:
+        raise RuntimeError(f"the aggregator cannot listen on {listen}")
+    server.start()
+    return server, service
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flower_shard.dataplane.aggregator")
+    p.add_argument("--listen", required=True, help="HOST:PORT to listen on (only there)")
+    p.add_argument("--secret-file", required=True, help="the run secret (hex), owner-only file")
+    p.add_argument("--work-dir", required=True, help="spools and checkpoints of this aggregator")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--insecure", action="store_true", help="no TLS (loopback tests only)")
+    args = p.parse_args(argv)
+    logs.setup(prefix="flower-shard aggregator")
+    if not args.insecure and not (args.tls_cert and args.tls_key):
+        print("flower-shard aggregator: error: give --tls-cert and --tls-key, or --insecure")
+        return 2
+    tls = None
+    if not args.insecure:
+        tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes())
+    secret = Path(args.secret_file).read_text().strip()
+    server, service = serve(args.listen, secret, Path(args.work_dir), tls)
+    log.info("listening on %s (%s)", args.listen, "TLS" if tls else "insecure")
+    signal.signal(signal.SIGTERM, lambda *_: service.stopped.set())
+    service.stopped.wait()
+    server.stop(grace=2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The callers' side of the data plane: a rank's uplink and downlink, the ServerApp's control.
+
+A rank's pieces are ``(parameter index, first element, float32 values)``: the element ranges its
+shard holds (:func:`~.layout.local_range`). The uplink cuts them into chunks of at most
+:data:`~.wire.CHUNK_VALUES` values and streams each aggregator the chunks of the parameters it
+owns, all aggregators at once (one thread each). With a compressed uplink the rank keeps what
+compression lost and adds it to the next round's update (error feedback, per rank).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flower_shard.dataplane import tickets, wire
+from flower_shard.dataplane.layout import Layout
+
+log = logging.getLogger(__name__)
+
+Piece = tuple[int, int, np.ndarray]  # (parameter index, first element, values)
+
+
+class DataPlaneError(RuntimeError):
+    """An aggregator refused a stream or a download, or could not be reached."""
+
+
+def channel(address: str, root_certificates: bytes | None, tls: bool):
+    """A gRPC channel to an aggregator (TLS with ``root_certificates`` when ``tls``)."""
+    import grpc
+
+    if tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+        return grpc.secure_channel(address, creds, options=wire.GRPC_OPTIONS)
+    return grpc.insecure_channel(address, options=wire.GRPC_OPTIONS)
+
+
+@dataclass
+class UplinkEncoder:
+    """Quantizes a rank's updates chunk by chunk, carrying each round's loss to the next."""
+
+    kind: str
+    scale_chunk: int
+    feedback: bool = True
+    residual: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def frames(self, param: int, start: int, values: np.ndarray):
+        """Frames for ``values`` of ``param`` from ``start`` (chunked, quantized)."""
+        for a in range(0, values.size, wire.CHUNK_VALUES):
+            chunk = values[a : a + wire.CHUNK_VALUES]
+            key = (param, start + a)
+            if self.kind != "none" and self.feedback and key in self.residual:
+                chunk = chunk + self.residual[key]
+            scales, data = wire.quantize(chunk, start + a, self.kind, self.scale_chunk)
+            if self.kind != "none" and self.feedback:
+                lost = chunk - wire.dequantize(scales, data, start + a, self.kind, self.scale_chunk)
+                self.residual[key] = lost if np.isfinite(lost).all() else np.zeros_like(lost)
+            yield wire.encode_chunk(
+                param, start + a, None, self.kind, self.scale_chunk, (scales, data)
+            )
+
+
+class RankLink:
+    """One rank's uplink and downlink for one round (see the module docstring)."""
+
+    def __init__(self, ticket: tickets.Ticket, rank: int, root_certificates: bytes | None = None):
+        self.ticket, self.rank = ticket, rank
+        self.token = tickets.rank_token(ticket.token, rank)
+        self.channels = [channel(a, root_certificates, ticket.tls) for a in ticket.addresses]
+
+    def _ident(self) -> dict:
+        t = self.ticket
+        return {
+            "run": t.run,
+            "round": t.round,
+            "group": t.group,
+            "rank": self.rank,
+            "token": self.token,
+        }
+
+    def upload(
+        self, pieces: list[Piece], layout: Layout, weight: float, encoder: UplinkEncoder
+    ) -> list[dict]:
+        """Stream ``pieces`` to their owners; each aggregator's summary. Raises
+        :class:`DataPlaneError` when an aggregator refused the stream."""
+        head = self._ident() | {"weight": weight, "compression": encoder.kind}
+        by_owner: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_owner.setdefault(layout.params[piece[0]].owner, []).append(piece)
+
+        def send(owner: int) -> dict:
+            def frames():
+                yield wire.to_json(head)
+                for param, start, values in by_owner.get(owner, []):
+                    yield from encoder.frames(param, start, values)
+
+            call = self.channels[owner].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
+            return wire.from_json(_call(call, frames(), owner, self.ticket.addresses))
+
+        with futures.ThreadPoolExecutor(max(1, len(self.channels))) as pool:
+            summaries = list(pool.map(send, range(len(self.channels))))
+        refused = [(i, s["reason"]) for i, s in enumerate(summaries) if not s.get("ok")]
+        if refused:
+            i, reason = refused[0]
+            raise DataPlaneError(
+                f"aggregator {self.ticket.addresses[i]} refused the upload: {reason}"
+            )
+        return summaries
+
+    def download(
+        self, ranges: list[tuple[int, int, int]], layout: Layout, have_round: int
+    ) -> tuple[str, int, dict[tuple[int, int], np.ndarray]]:
+        """``(mode, global round, {(param, start): values})`` for the element ranges
+        ``(param, start, stop)``: ``full`` values, or the ``delta`` since round ``have_round``."""
+        by_owner: dict[int, list] = {}
+        for r in ranges:
+            by_owner.setdefault(layout.params[r[0]].owner, []).append(list(r))
+
+        def fetch(owner: int):
+            import grpc
+
+            req = self._ident() | {"ranges": by_owner[owner], "have_round": have_round}
+            call = self.channels[owner].unary_stream(f"/{wire.SERVICE}/{wire.DOWNLOAD}")
+            out = {}
+            try:
+                stream = call(wire.to_json(req))
+                head = wire.from_json(next(stream))
+                for frame in stream:
+                    param, start, _ = wire.decode_header(frame)
+                    out[(param, start)] = wire.decode_values(
+                        frame, head["kind"], head["scale_chunk"]
+                    )
+            except grpc.RpcError as exc:
+                raise DataPlaneError(
+                    f"aggregator {self.ticket.addresses[owner]}: download: {exc.code().name} "
+                    f"{exc.details()}"
+                ) from None
+            return head, out
+
+        with futures.ThreadPoolExecutor(max(1, len(by_owner))) as pool:
+            results = list(pool.map(fetch, sorted(by_owner)))
+        modes = {(h["mode"], h["round"]) for h, _ in results}
+        if len(modes) != 1:
+            raise DataPlaneError(f"aggregators answered in different states: {sorted(modes)}")
+        (mode, rnd), values = modes.pop(), {}
+        for _, out in results:
+            values |= out
+        return mode, rnd, values
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+
+
+def _call(call, request, owner: int, addresses):
+    import grpc
+
+    try:
+        return call(request)
+    except grpc.RpcError as exc:
+        raise DataPlaneError(
+            f"aggregator {addresses[owner]}: {exc.code().name} {exc.details()}"
+        ) from None
+
+
+class ControlClient:
+    """The ServerApp's calls to one aggregator."""
+
+    def __init__(self, address: str, secret: str, root_certificates: bytes | None, tls: bool):
+        self.address = address
+        self.token = tickets.control_token(secret)
+        self._channel = channel(address, root_certificates, tls)
+        self._call = self._channel.unary_unary(f"/{wire.SERVICE}/{wire.CONTROL}")
+
+    def __call__(self, op: str, timeout: float = 3600.0, **kw) -> dict:
+        import grpc
+
+        try:
+            reply = wire.from_json(
+                self._call(wire.to_json({"op": op, "token": self.token, **kw}), timeout=timeout)
+            )
+        except grpc.RpcError as exc:
+            raise DataPlaneError(
+                f"aggregator {self.address}: {op}: {exc.code().name} {exc.details()}"
+            ) from None
+        if not reply.get("ok"):
+            raise DataPlaneError(f"aggregator {self.address}: {op}: {reply.get('reason')}")
+        return reply
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,208 @@
+"""What one aggregator holds and does: its parameters' global weights, the round's spools, the
+outer step, and the downlink (full snapshots or the compressed global delta).
+
+Memory, for the 1/A of the model this aggregator owns (M_a bytes in float32): the global weights
+(M_a, inside the outer optimizer), the accumulator while a round commits (M_a), nesterov's
+momentum (M_a), and with a compressed downlink the groups' view of the global weights (M_a)
+plus the round's encoded delta (M_a / 4 for int8, / 2 for bf16). Nothing grows with G: the
+groups' updates are spooled (:mod:`.spool`).
+
+Downlink. Uncompressed, a rank downloads its slices of the global weights. Compressed, the
+aggregator keeps ``view``, the weights every in-sync group holds; after a commit it encodes
+``delta = global - view`` once (int8 scales aligned to each parameter's element 0, so every
+slice decodes the same for any K) and advances ``view += decode(delta)``: what the encoding
+lost stays in ``global - view`` and goes out with the next delta (server-side error feedback).
+A group whose last global round is not the previous one (new, rejoining, or after a resume)
+gets a full float32 snapshot of ``view`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from flower_shard.dataplane import wire
+from flower_shard.dataplane.layout import Layout, Param
+from flower_shard.dataplane.spool import GroupSpool
+
+log = logging.getLogger(__name__)
+
+
+class AggregatorState:
+    """Aggregator ``index`` of a layout: see the module docstring.
+
+    Parameters
+    ----------
+    layout, index
+        The model's layout and which of its aggregators this is.
+    initial
+        Name -> float32 array of every owned parameter (the run's first global weights).
+    spool_dir
+        Where the round's group spools go (this aggregator's own directory).
+    uplink, downlink, scale_chunk
+        Compression of the groups' updates and of the global delta (``none``, ``bf16``,
+        ``int8``) and the int8 block size.
+    outer, outer_lr, outer_momentum
+        The outer optimizer (``fedavg`` or ``nesterov``) applied to the mean pseudo-gradient.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        index: int,
+        initial: dict[str, np.ndarray],
+        spool_dir: Path,
+        *,
+        uplink: str = "none",
+        downlink: str = "none",
+        scale_chunk: int = 2048,
+        outer: str = "fedavg",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+    ):
+        import torch
+
+        from flower_shard.runtime.outer_sync import OuterOptimizer
+
+        self.layout, self.index = layout, index
+        self.params: list[Param] = layout.owned(index)
+        self.by_index = {p.index: p for p in self.params}
+        self.offsets: dict[int, int] = {}
+        at = 0
+        for p in self.params:
+            self.offsets[p.index] = at
+            at += p.numel
+        self.numel = at
+        flat = np.empty(self.numel, dtype=np.float32)
+        for p in self.params:
+            flat[self.offsets[p.index] : self.offsets[p.index] + p.numel] = np.asarray(
+                initial[p.name], dtype=np.float32
+            ).reshape(-1)
+        self.outer = OuterOptimizer(
+            torch.from_numpy(flat), outer, outer_lr, outer_momentum, track_weights=True
+        )
+        del flat
+        self.uplink, self.downlink, self.scale_chunk = uplink, downlink, scale_chunk
+        self.view = self.weights.copy() if downlink != "none" else None
+        self.delta: tuple[np.ndarray, np.ndarray] | None = None
+        self.delta_round = -1
+        self.round = 0
+        """The last committed round (its global weights are what downloads serve)."""
+        self.spool_dir = Path(spool_dir)
+        self.spools: dict[int, GroupSpool] = {}
+        self.open_round = -1
+        self._lock = threading.Lock()
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The global weights of the owned parameters, flat (a view, not a copy)."""
+        return self.outer.weights.detach().numpy()
+
+    # -- a round -------------------------------------------------------------------------
+
+    def begin(self, rnd: int) -> None:
+        """Open round ``rnd`` for uploads (the previous round's spools are dropped)."""
+        with self._lock:
+            for spool in self.spools.values():
+                spool.delete()
+            self.spools = {}
+            shutil.rmtree(self.spool_dir, ignore_errors=True)
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            self.open_round = rnd
+
+    def spool(self, group: int) -> GroupSpool:
+        with self._lock:
+            if group not in self.spools:
+                path = self.spool_dir / f"group_{group}.bin"
+                self.spools[group] = GroupSpool(path, self.by_index, self.uplink, self.scale_chunk)
+            return self.spools[group]
+
+    def status(self) -> dict[int, dict]:
+        """Per group that streamed this round: complete, weight, squared norm, bytes, reason."""
+        return {
+            g: {
+                "complete": s.complete,
+                "weight": s.weight,
+                "sq_norm": s.sq_norm,
+                "bytes": s.bytes,
+                "received": s.received,
+                "expected": s.expected,
+                "rejected": s.rejected,
+            }
+            for g, s in sorted(self.spools.items())
+        }
+
+    def commit(self, rnd: int, accepted: dict[int, float]) -> dict:
+        """Fold the accepted complete groups (group -> weight) in group order, take the outer
+        step, and prepare the downlink. With none accepted the global weights stay."""
+        import torch
+
+        if rnd != self.open_round:
+            raise ValueError(f"commit of round {rnd}, but round {self.open_round} is open")
+        missing = [g for g in accepted if g not in self.spools or not self.spools[g].complete]
+        if missing:
+            raise ValueError(f"groups {missing} did not complete their upload here")
+        total = float(sum(accepted.values()))
+        if accepted:
+            acc = np.zeros(self.numel, dtype=np.float32)
+            for g in sorted(accepted):
+                self.spools[g].fold_into(acc, self.offsets, np.float32(accepted[g] / total))
+            self.outer.apply(torch.from_numpy(acc))  # pseudo-gradient: global - mean(local)
+            del acc
+        for spool in self.spools.values():
+            spool.delete()
+        self.spools = {}
+        self.round = rnd
+        self._encode_delta()
+        return {"round": rnd, "groups": sorted(accepted), "weight": total}
+
+    def _encode_delta(self) -> None:
+        if self.view is None:
+            return
+        from flower_shard.dataplane.wire import dequantize, quantize
+
+        delta = self.weights - self.view
+        scales, data = [], []
+        for p in self.params:
+            at = self.offsets[p.index]
+            s, d = quantize(delta[at : at + p.numel], 0, self.downlink, self.scale_chunk)
+            self.view[at : at + p.numel] += dequantize(s, d, 0, self.downlink, self.scale_chunk)
+            scales.append(s)
+            data.append(d)
+        self.delta = (scales, data)
+        self.delta_round = self.round
+
+    # -- downlink ------------------------------------------------------------------------
+
+    def mode(self, have_round: int) -> str:
+        """``delta`` for a rank whose last global model is exactly the previous round's (and a
+        compressed downlink), else ``full``."""
+        if self.view is not None and self.delta is not None and have_round == self.delta_round - 1:
+            return "delta"
+        return "full"
+
+    def frames(self, param: int, start: int, stop: int, mode: str):
+        """Frames of parameter ``param``'s elements ``[start, stop)``: the encoded delta
+        (``delta``) or float32 values of the view (compressed downlink) or of the global
+        weights (``full``)."""
+        p = self.by_index.get(param)
+        if p is None or not 0 <= start <= stop <= p.numel:
+            raise ValueError(f"no elements [{start}, {stop}) of parameter {param} here")
+        at = self.offsets[param]
+        source = self.view if self.view is not None else self.weights
+        k = self.params.index(p)
+        for a in range(start, stop, wire.CHUNK_VALUES):
+            b = min(stop, a + wire.CHUNK_VALUES)
+            if mode == "delta":
+                scales, data = self.delta[0][k], self.delta[1][k]
+                first, last = wire.blocks_of(a, b - a, self.scale_chunk)
+                s = scales[first:last] if self.downlink == "int8" else scales
+                yield wire.encode_chunk(
+                    param, a, None, self.downlink, self.scale_chunk, (s, data[a:b])
+                )
+            else:
+                yield wire.encode_chunk(param, a, source[at + a : at + b], "none", 1)

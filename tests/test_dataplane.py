@@ -1,0 +1,200 @@
+"""The streaming data plane with real aggregator processes on loopback: the exact weighted mean,
+hostile streams, compression both ways, TLS, and an aggregator's checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flower_shard.dataplane import tickets, wire
+from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
+from flower_shard.dataplane.layout import Layout, rows_to_elements
+from flower_shard.dataplane.pool import AggregatorPool
+
+SHAPES = {"a.weight": (96, 40), "b.weight": (33, 7), "c.bias": (50,), "d.weight": (70, 64)}
+INIT = {"kind": "random", "seed": 7, "std": 1.0}
+
+
+@pytest.fixture
+def pool(tmp_path):
+    pools = []
+
+    def make(count=2, uplink="none", downlink="none", outer="fedavg", tls=None, root=None):
+        p = AggregatorPool.start_local(count, "127.0.0.1", tmp_path / f"agg{len(pools)}", tls, root)
+        pools.append(p)
+        layout = Layout.build(SHAPES, count)
+        settings = {
+            "uplink": uplink,
+            "downlink": downlink,
+            "scale_chunk": 64,
+            "outer": outer,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        }
+        p.configure("run-1", layout, settings, INIT)
+        return p, layout
+
+    yield make
+    for p in pools:
+        p.stop()
+
+
+def shard_pieces(layout, arrays, k: int, s: int):
+    """Rank s of k's pieces: the rows of every parameter FSDP2 gives it (torch.chunk)."""
+    pieces = []
+    for p in layout.params:
+        rows = p.shape[0]
+        c = -(-rows // k)
+        start = min(s * c, rows)
+        n = max(0, min(rows, start + c) - start)
+        a, b = rows_to_elements(p.shape, start, n)
+        if b > a:
+            pieces.append((p.index, a, arrays[p.name].reshape(-1)[a:b]))
+    return pieces
+
+
+def ticket(p, rnd, group):
+    token = tickets.group_token(p.secret, "run-1", rnd, group)
+    return tickets.Ticket("run-1", rnd, group, token, tuple(p.addresses), tls=False)
+
+
+def upload_group(p, layout, rnd, group, deltas, k, weight, kind="none"):
+    for s in range(k):
+        link = RankLink(ticket(p, rnd, group), s)
+        try:
+            link.upload(shard_pieces(layout, deltas, k, s), layout, weight, UplinkEncoder(kind, 64))
+        finally:
+            link.close()
+
+
+def download_all(p, layout, rnd, group, have=-1):
+    link = RankLink(ticket(p, rnd, group), 0)
+    try:
+        ranges = [(q.index, 0, q.numel) for q in layout.params]
+        mode, _, values = link.download(ranges, layout, have)
+    finally:
+        link.close()
+    out = {}
+    for q in layout.params:
+        parts = sorted((start, v) for (i, start), v in values.items() if i == q.index)
+        out[q.name] = np.concatenate([v for _, v in parts]).reshape(q.shape)
+    return mode, out
+
+
+def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool):
+    p, layout = pool(count=2)
+    p.begin(1)
+    mode, w0 = download_all(p, layout, 1, 0)
+    assert mode == "full"
+    rng = np.random.default_rng(0)
+    deltas = [
+        {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in SHAPES.items()}
+        for _ in range(3)
+    ]
+    weights = [4096.0, 2048.0, 6144.0]
+    for g, (d, k, w) in enumerate(zip(deltas, (1, 2, 3), weights)):
+        upload_group(p, layout, 1, g, d, k, w)
+    status = p.status()
+    assert all(all(s["complete"] for s in st) for st in status.values())
+    # The squared norms the ServerApp's outlier rule reads: exact on every aggregator's part.
+    for g, d in enumerate(deltas):
+        sq = sum(s["sq_norm"] for s in status[g])
+        assert sq == pytest.approx(
+            sum(float((v.astype(np.float64) ** 2).sum()) for v in d.values())
+        )
+    p.commit(1, dict(enumerate(weights)))
+    p.begin(2)
+    _, new = download_all(p, layout, 2, 0)
+    total = sum(weights)
+    for n in SHAPES:
+        ref = w0[n].astype(np.float64) - sum(
+            w / total * d[n].astype(np.float64) for w, d in zip(weights, deltas)
+        )
+        np.testing.assert_allclose(new[n], ref, rtol=0, atol=2e-6 * (1 + np.abs(ref).max()))
+    # Repeated with the groups arriving in the opposite order: the same bits (fold in group order).
+    q, _ = pool(count=2)
+    q.begin(1)
+    for g in reversed(range(3)):
+        upload_group(q, layout, 1, g, deltas[g], (1, 2, 3)[g], weights[g])
+    q.commit(1, dict(enumerate(weights)))
+    q.begin(2)
+    _, again = download_all(q, layout, 2, 0)
+    assert all(np.array_equal(again[n], new[n]) for n in SHAPES)
+
+
+def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
+    p, layout = pool(count=1)
+    p.begin(3)
+    good = {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()}
+    # A stream with another round's token (a replay), or another group's: refused at once.
+    stale = tickets.Ticket(
+        "run-1", 3, 1, tickets.group_token(p.secret, "run-1", 2, 1), tuple(p.addresses), False
+    )
+    with pytest.raises(DataPlaneError, match="wrong token"):
+        RankLink(stale, 0).upload(
+            shard_pieces(layout, good, 1, 0), layout, 10.0, UplinkEncoder("none", 64)
+        )
+    bad_frames = {
+        2: lambda: [wire.encode_chunk(99, 0, np.ones(4, np.float32), "none", 64)],  # unknown param
+        3: lambda: [wire.encode_chunk(1, 200, np.ones(40, np.float32), "none", 64)],  # out of range
+        4: lambda: [wire.encode_chunk(0, 0, np.ones(8, np.float32), "none", 64)] * 2,  # twice
+        5: lambda: [wire.encode_chunk(0, 0, np.ones(8, np.float32), "none", 64)[:-4]],  # size
+        6: lambda: [wire.encode_chunk(0, 0, np.array([1, np.nan], np.float32), "none", 64)],
+    }
+    reasons = {}
+    for group, make in bad_frames.items():
+        t = ticket(p, 3, group)
+        head = {
+            "run": "run-1",
+            "round": 3,
+            "group": group,
+            "rank": 0,
+            "weight": 10.0,
+            "token": tickets.rank_token(t.token, 0),
+            "compression": "none",
+        }
+        link = RankLink(t, 0)
+        call = link.channels[0].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
+        reasons[group] = wire.from_json(call(iter([wire.to_json(head), *make()])))
+        link.close()
+    assert all(not r["ok"] for r in reasons.values())
+    assert "not held" in reasons[2]["reason"] and "outside" in reasons[3]["reason"]
+    assert "twice" in reasons[4]["reason"] and "bytes, expected" in reasons[5]["reason"]
+    assert "non-finite" in reasons[6]["reason"]
+    upload_group(p, layout, 3, 0, good, 2, 10.0)
+    status = p.status()
+    assert status[0][0]["complete"] and all(status[g][0]["rejected"] for g in bad_frames)
+    with pytest.raises(DataPlaneError, match="did not complete"):
+        p.commit(3, {0: 10.0, 6: 10.0})
+    p.commit(3, {0: 10.0})
+
+
+def test_int8_both_ways_with_error_feedback_and_a_checkpoint(pool, tmp_path):
+    p, layout = pool(count=2, uplink="int8", downlink="int8", outer="nesterov")
+    have, model = -1, None
+    rng = np.random.default_rng(3)
+    for rnd in (1, 2, 3):
+        p.begin(rnd)
+        mode, got = download_all(p, layout, rnd, 0, have)
+        if model is None:
+            assert mode == "full"
+            model = got
+        else:
+            assert mode == "delta"
+            model = {n: model[n] + got[n] for n in SHAPES}  # the group's view advances
+        have = rnd - 1
+        delta = {n: rng.standard_normal(s).astype(np.float32) * 0.01 for n, s in SHAPES.items()}
+        upload_group(p, layout, rnd, 0, delta, 2, 100.0, kind="int8")
+        p.commit(rnd, {0: 100.0})
+    p.begin(4)
+    # A group out of step (or new) gets the full view: what the in-step group holds.
+    mode, full = download_all(p, layout, 4, 1, have=0)
+    assert mode == "full"
+    _, step = download_all(p, layout, 4, 0, have)
+    assert all(np.array_equal(model[n] + step[n], full[n]) for n in SHAPES)
+    p.save(tmp_path / "ckpt")
+    q, _ = pool(count=2, uplink="int8", downlink="int8", outer="nesterov")
+    q.load(tmp_path / "ckpt")
+    q.begin(4)
+    mode, loaded = download_all(q, layout, 4, 0, have)
+    assert mode == "full" and all(np.array_equal(loaded[n], full[n]) for n in SHAPES)
