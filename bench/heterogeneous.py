@@ -100,7 +100,7 @@ class CpuQuota:
 def run_once(dep: LocalDeployment, out: Path, common: dict, extra: dict) -> dict:
     """One Flower run; its rounds with the time axis and per-group figures."""
     summary = dep.run(common | extra | {P.OUT_DIR: str(out)}, timeout=3600)
-    if summary["status"] != "ok":
+    if summary[P.S_STATUS] != P.STATUS_OK:
         raise RuntimeError(f"flower run failed: {summary.get('error')}")
     rounds, elapsed = [], 0.0
     for r in read_metrics(out):

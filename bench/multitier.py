@@ -106,7 +106,7 @@ def run_once(
             f"--master-addr={net.addresses[0]}",
             f"--master-port={port}",
             "-m",
-            "flower_shard.runtime.trainer",
+            "flower_shard.launch.job",
             str(out / "config.json"),
         ]
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
@@ -168,7 +168,7 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
         },
         timeout=3600,
     )
-    if summary["status"] != "ok":
+    if summary[P.S_STATUS] != P.STATUS_OK:
         raise RuntimeError(f"flower run failed: {summary.get('error')}")
     wall = time.perf_counter() - start
     after = dep.net.site_bytes()
@@ -368,9 +368,9 @@ def predicted_speedup(
     w = Workload(
         params=params, compute_s=compute_s, tokens_per_step=tokens, compression=compression
     )
-    r = 2 if hsdp else 1
-    fl = predict(w, Layout(2 * k, 2, r, t), net)
-    base = predict(w, Layout(2 * k, 1, r, 1), net)
+    sharding, r = ("hsdp", 2) if hsdp else ("fsdp", 1)
+    fl = predict(w, Layout(2 * k, 2, sharding, r, local_steps=t), net)
+    base = predict(w, Layout(2 * k, 1, sharding, r), net)
     return fl.tokens_per_s / base.tokens_per_s
 
 
@@ -630,7 +630,9 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
                 runs[0]["rounds"]
                 * 2
                 * k
-                * outer_sync_bytes(w, Layout(2 * k, 2, 2 if kind == "hsdp" else 1, t))
+                * outer_sync_bytes(
+                    w, Layout(2 * k, 2, kind, 2 if kind == "hsdp" else 1, local_steps=t)
+                )
             )
         out[name] = entry
     return out

@@ -14,7 +14,7 @@ from flower_shard.config import TrainConfig
 from flower_shard.data.batches import rank_batches
 from flower_shard.data.corpus import CorpusInfo
 from flower_shard.runtime.evaluation import lm_loss
-from flower_shard.runtime.trainer import GroupTrainer
+from flower_shard.runtime.trainer import build_job_trainer
 
 
 def peak_rss_mib() -> float:
@@ -60,8 +60,8 @@ def bare_loop(cfg: TrainConfig, data_dir: str):
 
 
 def runtime_loop(cfg: TrainConfig, data_dir: str):
-    trainer = GroupTrainer(cfg, data_dir)
-    return lambda: trainer.train_step(*next(trainer.batches))
+    trainer = build_job_trainer(cfg, data_dir)
+    return lambda: trainer.train_step(*next(trainer.data.batches))
 
 
 def main():

@@ -93,7 +93,7 @@ def main() -> None:
         last = C.latest_good(out / "checkpoints" / "server")
         saved, _, _ = C.load_server(last[1])
         figures = {
-            "status": summary["status"],
+            "status": summary[P.S_STATUS],
             "rounds_completed": len(rounds),
             "rounds_asked": args.rounds,
             "faults_injected": len(injected) + 1,

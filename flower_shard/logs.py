@@ -36,12 +36,21 @@ def setup(level: str | None = None, *, prefix: str = "flower-shard") -> logging.
     name = (level or os.environ.get(LEVEL_ENV) or DEFAULT_LEVEL).lower()
     if name not in LEVELS:
         name = DEFAULT_LEVEL
-    logger = logging.getLogger(ROOT)
-    logger.setLevel(name.upper())
-    logger.propagate = False
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
-    logger.addHandler(handler)
+    logger = logging.getLogger(ROOT)
+    for target in (logger, *_main_logger()):
+        target.setLevel(name.upper())
+        target.propagate = False
+        for old in list(target.handlers):
+            target.removeHandler(old)
+        target.addHandler(handler)
     return logger
+
+
+def _main_logger() -> list[logging.Logger]:
+    """The ``__main__`` logger when a flower_shard module runs as ``python -m`` (torchrun's
+    ranks, a node's group): its ``getLogger(__name__)`` is ``__main__``, outside the tree."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return [logging.getLogger("__main__")] if name.startswith(ROOT + ".") else []

@@ -9,13 +9,19 @@ group before it builds a run), then :func:`prepare_for` where it prepares the da
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flower_shard import runfiles
-from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config import choices as C
 from flower_shard.config.presets import PRESETS
-from flower_shard.data.corpus import CorpusInfo, prepare_corpus
-from flower_shard.data.partition import partition_data
+from flower_shard.config.train import TrainConfig
+from flower_shard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flower_shard.config.federation import FederationConfig
+    from flower_shard.data.corpus import CorpusInfo
 
 
 def check(cfg: TrainConfig) -> TrainConfig:
@@ -25,7 +31,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     check_model(cfg.model, cfg.seq_len)
     if cfg.data is not None:
         check_data(cfg.data)
-    if cfg.partition == "by-source" and cfg.groups > 1:
+    if cfg.partition == C.BY_SOURCE and cfg.groups > 1:
         check_sources(cfg.data, cfg.groups)
     if cfg.tokenizer is not None and not Path(cfg.tokenizer).is_dir():
         raise ConfigError(
@@ -39,7 +45,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.tensorboard:
         require_tensorboard()
-    if cfg.device == "cuda":
+    if cfg.device == C.CUDA:
         import torch
 
         if not torch.cuda.is_available():
@@ -47,11 +53,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def check_federation(fed):
+def check_federation(fed: FederationConfig) -> FederationConfig:
     """:func:`check` for the ServerApp's side of a Flower run (a stand-in topology: the groups
     check their own when a run reaches them); returns ``fed``."""
-    import dataclasses
-
     check(dataclasses.replace(fed.train, groups=1, nproc_per_group=1, nnodes=1))
     return fed
 
@@ -115,9 +119,11 @@ def require_tensorboard(flag: str = "--tensorboard") -> None:
         )
 
 
-def prepare_for(directory: str | Path, cfg) -> CorpusInfo:
+def prepare_for(directory: str | Path, cfg: TrainConfig) -> CorpusInfo:
     """Tokenise ``cfg``'s corpus into ``directory`` (reused while current), then
-    :func:`check_fits` it to ``cfg`` (a :class:`~flower_shard.config.TrainConfig`)."""
+    :func:`check_fits` it to ``cfg``."""
+    from flower_shard.data.corpus import prepare_corpus
+
     info = prepare_corpus(
         directory,
         cfg.data,
@@ -130,9 +136,11 @@ def prepare_for(directory: str | Path, cfg) -> CorpusInfo:
     return info
 
 
-def check_fits(info: CorpusInfo, cfg) -> None:
-    """Fail before launch if the corpus cannot feed the topology (see :func:`partition` and
-    :func:`partition_data`), or if its tokenizer emits ids the model cannot embed."""
+def check_fits(info: CorpusInfo, cfg: TrainConfig) -> None:
+    """Fail before launch if the corpus cannot feed the topology (see
+    :func:`~flower_shard.data.partition.partition_data`), or if its tokenizer emits ids the
+    model cannot embed."""
+    from flower_shard.data.partition import partition_data
     from flower_shard.runtime.models import check_vocab
 
     check_vocab(cfg.model, info.vocab_size, cfg.tokenizer)
@@ -144,7 +152,7 @@ def check_fits(info: CorpusInfo, cfg) -> None:
             f"{cfg.world_size} ranks {per_rank}, fewer than --batch-size {cfg.batch_size}; "
             "use a shorter sequence, a smaller batch, fewer ranks or more data"
         )
-    if cfg.partition != "iid":
+    if cfg.partition != C.IID:
         parts = partition_data(
             info.directory,
             cfg.seq_len,

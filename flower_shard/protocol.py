@@ -18,7 +18,8 @@ from __future__ import annotations
 # -- transports ------------------------------------------------------------------------------
 FLOWER = "flower"  # weights inside Flower Messages
 COLLECTIVE = "collective"  # groups all-reduce their shards; Flower carries configs only
-TRANSPORTS = (FLOWER, COLLECTIVE)
+STREAMING = "streaming"  # every rank streams its shard to the aggregators over grpcio
+TRANSPORTS = (FLOWER, COLLECTIVE)  # STREAMING joins with its server side
 
 # -- records inside a Flower Message ---------------------------------------------------------
 ARRAYS = "arrays"
@@ -38,6 +39,7 @@ RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups
 ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adaptive-t's choice)
 ROUND_SECONDS = "round-seconds"  # time-budgeted rounds: train this long (0: round-steps)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
+TICKET = "ticket"  # streaming: the round's ticket (JSON: aggregators' addresses, the token)
 # The keys that change from round to round: everything else identifies the run.
 PER_ROUND_KEYS = (
     SERVER_ROUND,
@@ -155,6 +157,19 @@ REQUIRED_FIELDS = (
     OUTER_SYNC_S,
     OUTER_SYNC_BYTES,
 )
+
+# -- summary.json: the ServerApp's result of a Flower run (runfiles.SUMMARY_FILE) --------------
+S_STATUS = "status"  # STATUS_OK or STATUS_FAILED (`flwr run` exits 0 either way)
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+S_ERROR = "error"  # failed: the exception, one line
+S_TRACEBACK = "traceback"  # failed
+S_ROUNDS = "rounds"  # ok: rounds run
+S_TRANSPORT = "transport"
+S_FINAL = "final"  # ok: the last round's metrics record
+S_MODEL = "model"  # ok: what `flower-shard export` rebuilds the model from
+S_TOKENIZER = "tokenizer"
+S_SEQ_LEN = "seq_len"
 
 # -- the group's local control service --------------------------------------------------------
 SERVICE = "flower_shard.Group"

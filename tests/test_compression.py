@@ -7,7 +7,7 @@ import torch
 
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.runtime import compression as Z
-from flower_shard.runtime.outer_sync import OuterOptimizer
+from flower_shard.runtime.outer_optimizer import OuterOptimizer
 
 
 def test_int8_matches_a_hand_computed_chunk():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -150,3 +151,41 @@ def test_plan_prints_a_ranked_table_and_a_recommendation():
     throughput = [float(r.split()[5].replace(",", "")) for r in rows]
     assert throughput == sorted(throughput, reverse=True)
     assert "recommended:" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "debug", "plan", "--top", "1"],
+        ["plan", "--top", "1", "--log-level", "debug"],
+    ],
+)
+def test_the_log_level_goes_before_or_after_the_command_and_into_the_environment(
+    argv, monkeypatch, capsys
+):
+    from flower_shard import logs
+    from flower_shard.ux.cli import build_parser
+    from flower_shard.ux.cli import main as cli_main
+
+    assert build_parser().parse_args(argv).log_level == "debug"
+    monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
+    assert cli_main(argv) == 0
+    assert os.environ[logs.LEVEL_ENV] == "debug"  # what the processes it starts inherit
+    assert "recommended:" in capsys.readouterr().out
+    assert build_parser().parse_args(["plan"]).log_level is None  # then: the environment's
+
+
+def test_choice_flags_offer_the_fields_choices():
+    from flower_shard.config import choices as C
+    from flower_shard.ux.cli import build_parser
+
+    parser = build_parser()
+    for flag, value in (("--sharding", "zero"), ("--outer", "adam"), ("--device", "tpu")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", flag, value])
+    args = parser.parse_args(["train", "--compression", C.INT8, "--partition", C.DIRICHLET])
+    assert (args.compression, args.partition) == ("int8", "dirichlet")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["node", "--device", "tpu"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--transport", "carrier-pigeon"])

@@ -6,6 +6,7 @@ import pytest
 from conftest import train_cli
 
 from flower_shard import protocol as P
+from flower_shard.errors import ConfigError
 from flower_shard.planning.costmodel import (
     Layout,
     Network,
@@ -31,29 +32,32 @@ def test_llama_parameter_count_matches_the_built_models():
 def test_bytes_by_hand():
     w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
     # FSDP, K = S = 4: two all-gathers of 3/4 x 4000 B, one reduce-scatter of 3/4 x 4000 B.
-    b = intra_group_bytes(w, Layout(world=8, groups=2))
+    b = intra_group_bytes(w, Layout(world_size=8, groups=2))
     assert b == {"allgather": 6000.0, "reduce_scatter": 3000.0, "replicate_allreduce": 0.0}
     # HSDP K = 4 = R 2 x S 2: gathers over 2 ranks, then all-reduce of the 2000 B shard.
-    b = intra_group_bytes(w, Layout(world=8, groups=2, replicate=2))
+    b = intra_group_bytes(w, Layout(world_size=8, groups=2, sharding="hsdp", replicate=2))
     assert b == {"allgather": 4000.0, "reduce_scatter": 2000.0, "replicate_allreduce": 2000.0}
     # Outer sync over G = 2 of a 1000 B shard (P/S x 4 B): 2 x 1/2 x 1000.
-    assert outer_sync_bytes(w, Layout(world=8, groups=2)) == 1000.0
-    assert outer_sync_bytes(w, Layout(world=8, groups=1)) == 0.0
+    assert outer_sync_bytes(w, Layout(world_size=8, groups=2)) == 1000.0
+    assert outer_sync_bytes(w, Layout(world_size=8, groups=1)) == 0.0
     # HSDP R = 2 x S = 2: each replica all-reduces one half (1000 B) of its 2000 B shard
     # across groups, then sends its averaged half to the other replica (1/2 x 2000 B).
-    hsdp = Layout(world=8, groups=2, replicate=2)
+    hsdp = Layout(world_size=8, groups=2, sharding="hsdp", replicate=2)
     assert outer_sync_bytes(w, hsdp) == 2 * 1 / 2 * 1000
     assert outer_stripe_gather_bytes(w, hsdp) == 1 / 2 * 2000
-    assert outer_stripe_gather_bytes(w, Layout(world=8, groups=1, replicate=2)) == 0.0
-    assert outer_stripe_gather_bytes(w, Layout(world=8, groups=2)) == 0.0  # R = 1
+    assert (
+        outer_stripe_gather_bytes(w, Layout(world_size=8, groups=1, sharding="hsdp", replicate=2))
+        == 0.0
+    )
+    assert outer_stripe_gather_bytes(w, Layout(world_size=8, groups=2)) == 0.0  # R = 1
     # Compressed: a ring all-gather of (G-1) payloads of P/S values. int8 with chunks of 100:
     # 1 byte per value + one 4-byte scale per 100 values; bf16: 2 bytes per value.
     int8 = Workload(
         params=1000, compute_s=1.0, tokens_per_step=10, compression="int8", compression_chunk=100
     )
-    assert outer_sync_bytes(int8, Layout(world=8, groups=2)) == 1 * 250 * 1.04
+    assert outer_sync_bytes(int8, Layout(world_size=8, groups=2)) == 1 * 250 * 1.04
     bf16 = Workload(params=1000, compute_s=1.0, tokens_per_step=10, compression="bf16")
-    assert outer_sync_bytes(bf16, Layout(world=4, groups=4)) == 3 * 1000 * 2
+    assert outer_sync_bytes(bf16, Layout(world_size=4, groups=4)) == 3 * 1000 * 2
 
 
 def test_times_by_hand_and_c_total():
@@ -67,24 +71,26 @@ def test_times_by_hand_and_c_total():
         inter_site_lat=0,
     )
     w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
-    fsdp = predict(w, Layout(world=8), net)  # S = 8 spans both nodes: 100 B/s
+    fsdp = predict(w, Layout(world_size=8, groups=1), net)  # S = 8 spans both nodes: 100 B/s
     assert fsdp.intra_bytes == 2 * 7 / 8 * 4000 + 7 / 8 * 4000
     assert fsdp.intra_s == pytest.approx(fsdp.intra_bytes / 100.0)
     assert fsdp.inter_s == 0 and fsdp.step_s == pytest.approx(1.0 + fsdp.intra_s)
     # FL+FSDP, G = 2 groups = the 2 nodes, T = 4: C_total = C_intra + C_inter / T.
-    fl = predict(w, Layout(world=8, groups=2, local_steps=4), net)
+    fl = predict(w, Layout(world_size=8, groups=2, local_steps=4), net)
     assert fl.intra_s == pytest.approx(9000 / 1000.0)
     assert fl.inter_s == pytest.approx((2 * 0.5 * 1000 / 100.0) / 4)
     assert fl.step_s == pytest.approx(1.0 + fl.intra_s + fl.inter_s)
     # B_global = B_local x K per group; throughput counts all N ranks.
     assert fl.tokens_per_s == pytest.approx(8 * 10 / fl.step_s)
-    assert speedup(w, Layout(world=8, groups=2, local_steps=4), net) == pytest.approx(
+    assert speedup(w, Layout(world_size=8, groups=2, local_steps=4), net) == pytest.approx(
         fsdp.step_s / fl.step_s
     )
     assert fl.inter_byte_share == pytest.approx(fl.inter_bytes / (fl.inter_bytes + 9000))
     # FL+HSDP, groups = nodes, R = 2 x S = 2: 8000 B a step inside the node; once a round,
     # 1000 B stripes across nodes and their 1000 B all-gather back inside it.
-    fl_hsdp = predict(w, Layout(world=8, groups=2, replicate=2, local_steps=4), net)
+    fl_hsdp = predict(
+        w, Layout(world_size=8, groups=2, sharding="hsdp", replicate=2, local_steps=4), net
+    )
     assert fl_hsdp.intra_s == pytest.approx(8000 / 1000.0 + (1000 / 1000.0) / 4)
     assert fl_hsdp.inter_s == pytest.approx((1000 / 100.0) / 4)
 
@@ -92,7 +98,7 @@ def test_times_by_hand_and_c_total():
 def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
     w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
     # gloo runs a reduce-scatter as an all-reduce: 2 x 3/4 x 4000 B instead of 3/4 x 4000 B.
-    b = intra_group_bytes(w, Layout(world=8, groups=2), backend="gloo")
+    b = intra_group_bytes(w, Layout(world_size=8, groups=2), backend="gloo")
     assert b["reduce_scatter"] == 6000.0 and b["allgather"] == 6000.0
     # Two sites of 4 ranks joined by a 100 B/s link per site, everything else free.
     net = Network(
@@ -105,28 +111,28 @@ def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
     )
     # HSDP R = 2 across the sites, S = 4 inside: 4 all-reduces of 1000 B shards leave each site
     # at once and share its link: 4 x (2 x 1/2 x 1000 B) / 100 B/s.
-    hsdp = predict(w, Layout(world=8, groups=1, replicate=2), net)
+    hsdp = predict(w, Layout(world_size=8, groups=1, sharding="hsdp", replicate=2), net)
     assert hsdp.intra_s == pytest.approx(4 * 1000 / 100.0, rel=1e-6)
     # The outer sync of G = 2 site-groups: K = 4 rings of 1000 B shards share the link; T = 2.
-    fl = predict(w, Layout(world=8, groups=2, local_steps=2), net)
+    fl = predict(w, Layout(world_size=8, groups=2, local_steps=2), net)
     assert fl.inter_s == pytest.approx(4 * 1000 / 100.0 / 2)
     # FSDP over all 8 ranks: one ring, one crossing per direction, the link to itself.
-    fsdp = predict(w, Layout(world=8), net)
+    fsdp = predict(w, Layout(world_size=8, groups=1), net)
     assert fsdp.intra_s == pytest.approx((2 * 7 / 8 * 4000 + 7 / 8 * 4000) / 100.0)
     per_rank = Network(**{**net.__dict__, "site_link_shared": False})
-    assert predict(w, Layout(world=8, groups=1, replicate=2), per_rank).intra_s == pytest.approx(
-        hsdp.intra_s / 4
-    )
+    assert predict(
+        w, Layout(world_size=8, groups=1, sharding="hsdp", replicate=2), per_rank
+    ).intra_s == pytest.approx(hsdp.intra_s / 4)
 
 
 def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
     w = Workload(params=10**8, compute_s=0.5, tokens_per_step=4096)
     net = Network(ranks_per_node=4, nodes_per_site=2, inter_site_bw=0.1 * GB)
-    steps = [predict(w, Layout(16, 2, 1, t), net).step_s for t in (1, 2, 4, 8, 16)]
+    steps = [predict(w, Layout(16, 2, local_steps=t), net).step_s for t in (1, 2, 4, 8, 16)]
     assert steps == sorted(steps, reverse=True)
-    assert speedup(w, Layout(16, 2, 1, 8), net) > 2  # FSDP across sites is link-bound
-    with pytest.raises(ValueError, match="invalid layout"):
-        predict(w, Layout(world=10, groups=3), net)
+    assert speedup(w, Layout(16, 2, local_steps=8), net) > 2  # FSDP across sites is link-bound
+    with pytest.raises(ConfigError, match="N = 10 is not divisible by --groups 3"):
+        Layout(world_size=10, groups=3)  # the Topology's own check, as a real run's
 
 
 def _fsdp_payloads(model, s: int) -> list[tuple[int, int, int]]:
@@ -171,7 +177,7 @@ def test_byte_counts_match_a_real_run(tmp_path):
     (record,) = M.read_metrics(out)
     params = count_parameters(build_model("tiny"))
     w = Workload(params=params, compute_s=1.0, tokens_per_step=64)
-    lay = Layout(world=4, groups=2)
+    lay = Layout(world_size=4, groups=2)
     # FSDP2 pads uneven shards; the runtime sends each rank's real shard, so the model's
     # P/S is exact up to the rounding of the split (a few elements per tensor).
     assert record[P.OUTER_SYNC_BYTES] == pytest.approx(outer_sync_bytes(w, lay), rel=0.01)

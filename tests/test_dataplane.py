@@ -67,7 +67,7 @@ def upload_group(p, layout, rnd, group, deltas, k, weight, kind="none"):
             link.close()
 
 
-def download_all(p, layout, rnd, group, have=-1):
+def download_all(p, layout, rnd, group, have=-1, shapes=None):
     link = RankLink(ticket(p, rnd, group), 0)
     try:
         ranges = [(q.index, 0, q.numel) for q in layout.params]
@@ -198,3 +198,62 @@ def test_int8_both_ways_with_error_feedback_and_a_checkpoint(pool, tmp_path):
     q.begin(4)
     mode, loaded = download_all(q, layout, 4, 0, have)
     assert mode == "full" and all(np.array_equal(loaded[n], full[n]) for n in SHAPES)
+
+
+@pytest.mark.parametrize("sharding,nproc", [("fsdp", 2), ("hsdp", 4)])
+def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
+    tmp_path, sharding, nproc
+):
+    """Real FSDP2/HSDP shards: the pull replaces the group's own init with the aggregators'
+    global model, the push of ``view - local`` gives the group's weights back after a commit
+    (one group, fedavg: w - (w - x) = x, exact for x = w / 2), and the second pull loads them."""
+    import json
+    import threading
+    import time
+
+    import torch
+    from conftest import torchrun
+
+    from flower_shard.dataplane.init import parameter_shapes
+
+    layout = Layout.build(parameter_shapes("tiny", 257, 32), 2)
+    (tmp_path / "layout.json").write_text(json.dumps(layout.to_json()))
+    p = AggregatorPool.start_local(2, "127.0.0.1", tmp_path / "agg", None, None)
+    try:
+        settings = {
+            "uplink": "none",
+            "downlink": "none",
+            "scale_chunk": 2048,
+            "outer": "fedavg",
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        }
+        init = {"kind": "model", "model": "tiny", "vocab_size": 257, "seed": 0, "seq_len": 32}
+        p.configure("run-1", layout, settings, init)
+        p.begin(1)
+        _, w0 = download_all(p, layout, 1, 5)
+        args = (",".join(p.addresses), p.secret, 1, sharding, tmp_path)  # the log dir last
+        seen = []
+
+        def server_side():  # the ServerApp's part, while the group runs in the foreground
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "pushed").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            seen.append(p.status())
+            p.commit(1, {0: 100.0})
+            p.begin(2)
+            (tmp_path / "next").touch()
+
+        server = threading.Thread(target=server_side, daemon=True)
+        server.start()
+        torchrun("dataplane_rank_check.py", nproc, *args, timeout=300)
+        server.join(timeout=10)
+        assert all(s["complete"] and s["weight"] == 100.0 for s in seen[0][0]), seen
+    finally:
+        p.stop()
+    first = torch.load(tmp_path / "first.pt")
+    second = torch.load(tmp_path / "second.pt")
+    assert first["mode"] == "full" and second["mode"] == "full"
+    for name in [q.name for q in layout.params]:
+        assert np.array_equal(first["pulled"][name].numpy(), w0[name]), name
+        assert torch.equal(second["pulled"][name], first["moved"][name]), name

@@ -65,6 +65,19 @@ def run(dep, out, **extra):
     return read_metrics(out)
 
 
+def wait_until_online(dep, count: int, timeout: float = 120) -> None:
+    """Wait until the SuperLink counts ``count`` SuperNodes online (a stopped one goes offline
+    when it says goodbye, or when its heartbeats stop)."""
+    deadline = time.monotonic() + timeout
+    online = []
+    while time.monotonic() < deadline:
+        online = [n for n in dep.list_supernodes() if n["status"] == "online"]
+        if len(online) == count:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{len(online)} SuperNodes online after {timeout:.0f} s, not {count}")
+
+
 def dumped(dep, group, rnd, stage):
     return load_file(dep.dump / f"g{group}_r{rnd}_{stage}.safetensors")
 
@@ -301,6 +314,7 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
     finally:
         ghost.stop()
         deployment.fault.unlink()
+        wait_until_online(deployment, 2)  # the SuperLink has let the ghost go
     assert len(rounds) == 3
     for r, bad in zip(rounds, ("non-finite", "shape", "update norm")):
         assert r["groups_ok"] == 1 and r["groups_rejected"] == 2, r
@@ -310,6 +324,45 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
         assert np.isfinite(r["train_loss"]) and np.isfinite(r["eval_ppl"])
     final = load_file(tmp_path / "final_model.safetensors")
     assert all(np.isfinite(v).all() for v in final.values())
+
+
+def test_malformed_weights_from_a_group_are_rejected_by_name(deployment, tmp_path):
+    """The group's own fault injection, through the whole path: round 1 its reply has no
+    weights at all, round 2 an array the model does not have. Each round goes on with the
+    other group, whose weights become the global model."""
+    wait_until_online(deployment, 2)  # this deployment's two nodes, and no other
+    deployment.fault.write_text("1:missing,2:extra")
+    try:
+        rounds = run(deployment, tmp_path, transport="flower", **{"eval-every": 0})
+    finally:
+        deployment.fault.unlink()
+    assert [r["groups_ok"] for r in rounds] == [1, 1]
+    assert [r["groups_rejected"] for r in rounds] == [1, 1]
+    assert "no 'arrays' record" in rounds[0]["rejected"][0], rounds[0]["rejected"]
+    assert "unexpected arrays ['injected.extra']" in rounds[1]["rejected"][0]
+    # The good group (its index follows the node ids' order) made the global model.
+    (good,) = {g["group"] for r in rounds for g in r["groups"]}
+    trained = dumped(deployment, good, ROUNDS, "trained")
+    final = load_file(tmp_path / "final_model.safetensors")
+    assert all(np.array_equal(final[k], trained[k]) for k in trained)  # fedavg of one group
+
+
+def test_reply_wait_is_the_wait_for_the_training_replies(deployment, tmp_path):
+    """Collective transport, evaluated by the groups every round: the round's push and reply
+    wait are its training exchange's, which holds each group's whole round (at least its
+    1.5 s of training); the evaluation's exchange, later in the round, is timed apart."""
+    budget = 1.5
+    rounds = run(
+        deployment,
+        tmp_path,
+        transport="collective",
+        **{P.ROUND_SECONDS: budget, "max-local-steps": 500, "eval-every": 1},
+    )
+    for r in rounds:
+        assert r["compute_s"] >= budget and r["group_round_s"] >= r["compute_s"]
+        assert r["push_s"] + r["reply_wait_s"] >= r["group_round_s"], r
+        assert r["push_s"] + r["reply_wait_s"] + r["eval_s"] <= r["round_s"], r
+        assert r["eval_loss"] > 0
 
 
 def descendants(pid: int) -> set[int]:
@@ -427,6 +480,19 @@ def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
     with pytest.raises(GroupUnavailable, match="no flower-shard group answers"):
         GroupClient(f"unix:{tmp_path}/missing.sock", connect_timeout=2).call(P.TRAIN, {})
     assert time.monotonic() - start < 10
+
+
+def test_client_app_stays_torch_free():
+    """Stock Flower starts a ClientApp per message: it must load in a moment, without torch."""
+    probe = (
+        "import sys, flower_shard.flower.client.client_app\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
 
 
 def test_bad_run_config_fails_with_one_line():

@@ -9,7 +9,7 @@ import torch
 
 from flower_shard.config.presets import PRESETS
 from flower_shard.runtime.models import build_model, count_parameters
-from flower_shard.runtime.outer_sync import OuterOptimizer
+from flower_shard.runtime.outer_optimizer import OuterOptimizer
 from flower_shard.runtime.schedule import warmup_cosine
 
 

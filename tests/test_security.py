@@ -258,7 +258,7 @@ def _listening(port: int) -> set[str]:
 
 
 def test_cross_group_rendezvous_listens_on_the_configured_interface_only():
-    from flower_shard.flower.server.server_app import host_rendezvous
+    from flower_shard.flower.server.transports.collective import host_rendezvous
     from flower_shard.launch.processes import free_port
 
     port = free_port()

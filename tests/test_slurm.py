@@ -106,7 +106,7 @@ def test_collective_script_gives_every_host_its_own_rank(tmp_path):
 
 
 def test_site_node_script_starts_an_authenticated_tls_node(tmp_path):
-    from flower_shard.flower.node.launcher import NodeConfig, add_node_flags, node_config_from_args
+    from flower_shard.flower.node.config import NodeConfig, add_node_flags, node_config_from_args
 
     certs = make_tls_certificates(tmp_path / "certs")
     keys = make_supernode_keys(tmp_path, "site")

@@ -50,6 +50,25 @@ def test_train_end_to_end(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
     assert lines == [format_round(r, 3) for r in rounds]
     assert "\x1b[" not in proc.stdout
+    # The ranks log at the default level (info): rank 0 says what runs, on stderr.
+    assert "flower-shard: " in proc.stderr and "G=2 K=2 T=4 outer=nesterov" in proc.stderr
     assert json.loads((out / F.CONFIG_FILE).read_text())["outer"] == "nesterov"
     # --tensorboard: the same rounds as TensorBoard scalars (tag = field, step = round).
     assert_tensorboard_is_metrics(out)
+
+
+def test_the_log_level_reaches_the_ranks(tmp_path):
+    """`--log-level warning` (after the command) is exported to torchrun's ranks: rank 0's
+    info line is gone, the rounds (the command's output, not logs) are still printed."""
+    out = tmp_path / "run"
+    proc = train_cli(
+        out,
+        *("--groups", "1", "--nproc-per-group", "1", "--rounds", "1", "--local-steps", "2"),
+        *("--seq-len", "32", "--batch-size", "2", "--eval-every", "0"),
+        *("--log-level", "warning"),
+    )
+    assert "G=1 K=1 T=2" not in proc.stderr, proc.stderr[-2000:]
+    (record,) = M.read_metrics(out)
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("round ")] == [
+        format_round(record, 1)
+    ]

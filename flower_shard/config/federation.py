@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flower_shard import protocol as P
-from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config import choices as C
+from flower_shard.config.choices import check_choices, choice
+from flower_shard.config.train import TrainConfig
+from flower_shard.errors import ConfigError
 
 # run-config key -> TrainConfig field, where the names differ
 RENAMED = {
@@ -29,7 +32,7 @@ class FederationConfig:
 
     train: TrainConfig = field(default_factory=TrainConfig)
     """The run as a group sees it (model, data, T, rounds, outer optimizer, ...)."""
-    transport: str = "flower"
+    transport: str = choice(P.FLOWER, P.TRANSPORTS)
     """`flower`: weights travel in Flower Messages; `collective`: groups all-reduce shards."""
     min_groups: int = 1
     """A round updates the global model only if at least this many groups replied validly."""
@@ -51,7 +54,7 @@ class FederationConfig:
     outlier_factor: float = 10.0
     """Reject an update whose norm exceeds this many times the median of the other groups'
     (leave-one-out); 0 disables the rule."""
-    aggregation: str = "mean"
+    aggregation: str = choice(C.MEAN, C.AGGREGATIONS)
     """`mean` (token-weighted) or `trimmed-mean` (coordinate-wise, robust to a few bad groups)."""
     trim_fraction: float = 0.2
     """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate."""
@@ -84,14 +87,9 @@ class FederationConfig:
         return cfg.validate()
 
     def validate(self) -> FederationConfig:
-        if self.transport not in P.TRANSPORTS:
-            raise ConfigError(
-                f"transport {self.transport!r} is unknown; choose one of {', '.join(P.TRANSPORTS)}"
-            )
-        if self.aggregation not in ("mean", "trimmed-mean"):
-            raise ConfigError(
-                f"aggregation {self.aggregation!r} is unknown; choose mean or trimmed-mean"
-            )
+        """Raise :class:`ConfigError` on the first wrong value, the group's fields included;
+        return self."""
+        check_choices(self, prefix="")
         if self.outlier_factor < 0 or not 0 <= self.trim_fraction < 0.5:
             raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
         if not 0 <= self.round_seconds < float("inf"):  # also refuses NaN

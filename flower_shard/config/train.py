@@ -12,13 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from flower_shard.config import choices as C
+from flower_shard.config.choices import check_choice, check_choices, choice
 from flower_shard.errors import ConfigError
-
-SHARDING_MODES = ("fsdp", "hsdp")
-OUTER_OPTIMIZERS = ("fedavg", "nesterov")
-COMPRESSIONS = ("none", "bf16", "int8")
-DEVICES = ("auto", "cpu", "cuda")
-PARTITIONS = ("iid", "by-source", "dirichlet")
 
 
 @dataclass
@@ -46,11 +42,11 @@ class TrainConfig:
     trains in one round."""
     rounds: int = 5
     """Number of rounds (outer synchronisations)."""
-    sharding: str = "fsdp"
+    sharding: str = choice(C.FSDP, C.SHARDING_MODES)
     """Sharding inside a group: `fsdp` (1-D shard mesh) or `hsdp` (replicate x shard)."""
     replicate: int = 1
     """R: replicate degree for HSDP; the shard degree is S = K / R. Must be 1 for FSDP."""
-    outer: str = "fedavg"
+    outer: str = choice(C.FEDAVG, C.OUTER_OPTIMIZERS)
     """Outer optimizer: `fedavg` (the mean replaces the weights) or `nesterov` (DiLoCo)."""
     outer_lr: float = 0.7
     """Learning rate of the nesterov outer optimizer (DiLoCo uses 0.7)."""
@@ -58,7 +54,7 @@ class TrainConfig:
     """Momentum of the nesterov outer optimizer."""
     sync_optimizer_state: bool = False
     """Also average AdamW's first and second moments in the outer sync."""
-    compression: str = "none"
+    compression: str = choice(C.NO_COMPRESSION, C.COMPRESSIONS)
     """How each group sends its pseudo-gradient (global - local) between groups: `none`
     (float32), `bf16`, or `int8` (per-chunk scales); both transports
     (flower_shard/runtime/compression.py).
@@ -78,7 +74,7 @@ class TrainConfig:
     """
     text_column: str = "text"
     """The field (column) of .jsonl / .parquet records that holds the text."""
-    partition: str = "iid"
+    partition: str = choice(C.IID, C.PARTITIONS)
     """How the training blocks are split between groups (ranks then split their group's part):
     `iid` (a seeded shuffle), `by-source` (whole top-level directories, or files at the top
     level, per group, balanced by blocks) or `dirichlet` (each label's blocks shared out over
@@ -125,7 +121,7 @@ class TrainConfig:
     resume: str | None = None
     """Continue the run whose output directory this is, from its last good checkpoint (the run's
     settings must be the same; the number of ranks per group may differ)."""
-    device: str = "auto"
+    device: str = choice(C.AUTO, C.DEVICES)
     """`cuda` (NCCL), `cpu` (gloo), or `auto`: CUDA when it is available."""
     out: str = "runs/latest"
     """Output directory: metrics.jsonl, config.json and the prepared data."""
@@ -157,19 +153,39 @@ class TrainConfig:
         Field checks only: what needs the disk, ``transformers`` or CUDA (the data, the model
         directory, the tokenizer, a run to resume) is :func:`flower_shard.preflight.check`'s.
         """
-        _positive("--groups", self.groups)
-        _positive("--nproc-per-group", self.nproc_per_group)
-        _positive("--nnodes", self.nnodes)
-        _positive("--local-steps", self.local_steps)
-        _positive("--rounds", self.rounds)
-        _positive("--seq-len", self.seq_len)
-        _positive("--batch-size", self.batch_size)
-        _positive("--eval-sequences", self.eval_sequences)
-        _choice("--sharding", self.sharding, SHARDING_MODES)
-        _choice("--outer", self.outer, OUTER_OPTIMIZERS)
-        _choice("--device", self.device, DEVICES)
-        _positive("--min-local-steps", self.min_local_steps)
-        _positive("--max-local-steps", self.max_local_steps)
+        for flag, value in (
+            ("--groups", self.groups),
+            ("--nproc-per-group", self.nproc_per_group),
+            ("--nnodes", self.nnodes),
+            ("--local-steps", self.local_steps),
+            ("--rounds", self.rounds),
+            ("--seq-len", self.seq_len),
+            ("--batch-size", self.batch_size),
+            ("--eval-sequences", self.eval_sequences),
+            ("--min-local-steps", self.min_local_steps),
+            ("--max-local-steps", self.max_local_steps),
+            ("--compression-chunk", self.compression_chunk),
+        ):
+            _positive(flag, value)
+        check_choices(self)
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
+                f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
+                "the same number of ranks"
+            )
+        check_degrees(self.world_size, self.groups, self.sharding, self.replicate)
+        self._validate_rounds()
+        self._validate_optimizers()
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if not self.text_column:
+            raise ConfigError("--text-column must name a field of the records, got ''")
+        self._validate_partition()
+        return self
+
+    def _validate_rounds(self) -> None:
+        """T (fixed or adaptive), evaluation and checkpoints."""
         if self.adaptive_t and not (
             0 < self.exchange_share < 1 and self.min_local_steps <= self.max_local_steps
         ):
@@ -178,60 +194,47 @@ class TrainConfig:
                 f"--max-local-steps, got {self.exchange_share}, {self.min_local_steps}, "
                 f"{self.max_local_steps}"
             )
-        _choice("--compression", self.compression, COMPRESSIONS)
-        _positive("--compression-chunk", self.compression_chunk)
-        if self.compression != "none" and self.sync_optimizer_state:
-            raise ConfigError(
-                "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
-                "--sync-optimizer-state or use --compression none"
-            )
-        if self.world_size % self.nnodes:
-            raise ConfigError(
-                f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
-                f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
-                "the same number of ranks"
-            )
-        check_degrees(self.world_size, self.groups, self.sharding, self.replicate)
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.warmup_frac < 1:
-            raise ConfigError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("--weight-decay and --grad-clip must be >= 0")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 0:
             raise ConfigError(
                 "--checkpoint-every and --keep-checkpoints must be >= 0 (0: never / keep all)"
             )
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
+
+    def _validate_optimizers(self) -> None:
+        """The inner AdamW and its schedule, the outer optimizer and the exchange's compression."""
+        if self.compression != C.NO_COMPRESSION and self.sync_optimizer_state:
+            raise ConfigError(
+                "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
+                "--sync-optimizer-state or use --compression none"
+            )
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("--weight-decay and --grad-clip must be >= 0")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(
                 f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
                 f"{self.outer_lr} and {self.outer_momentum}"
             )
-        if not self.text_column:
-            raise ConfigError("--text-column must name a field of the records, got ''")
-        self._validate_partition()
-        return self
 
     def _validate_partition(self) -> None:
-        """The --partition settings."""
-        _choice("--partition", self.partition, PARTITIONS)
+        """The --partition settings (the choice itself is checked with the others)."""
         if not self.dirichlet_alpha > 0:  # `not >` also refuses NaN
             raise ConfigError(
                 "--dirichlet-alpha must be > 0 (smaller is more skewed), got "
                 f"{self.dirichlet_alpha}"
             )
-        if self.partition == "dirichlet" and not self.partition_label:
+        if self.partition == C.DIRICHLET and not self.partition_label:
             raise ConfigError(
                 "--partition dirichlet needs --partition-label: a field of the records, or "
                 "`directory` (each document's top-level directory)"
             )
-        if self.partition_label and self.partition != "dirichlet":
+        if self.partition_label and self.partition != C.DIRICHLET:
             raise ConfigError(
                 f"--partition-label applies to --partition dirichlet only, not {self.partition!r}; "
                 "drop it or use --partition dirichlet"
@@ -257,12 +260,7 @@ def _positive(flag: str, value: int) -> None:
         raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
 
 
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{flag} {value!r} is unknown; choose one of {', '.join(choices)}")
-
-
-def check_degrees(world_size: int, groups: int, sharding: str = "fsdp", replicate: int = 1) -> None:
+def check_degrees(world_size: int, groups: int, sharding: str = C.FSDP, replicate: int = 1) -> None:
     """Raise :class:`ConfigError` unless N = G x K and K = R x S hold (the topology's degrees)."""
     n, g, r = world_size, groups, replicate
     if n < 1 or g < 1:
@@ -272,8 +270,8 @@ def check_degrees(world_size: int, groups: int, sharding: str = "fsdp", replicat
             f"world size N = {n} is not divisible by --groups {g}: N = G x K needs every "
             f"group to have the same K; use a G that divides {n} or change --nproc-per-group"
         )
-    _choice("--sharding", sharding, SHARDING_MODES)
-    if sharding == "fsdp" and r != 1:
+    check_choice("--sharding", sharding, C.SHARDING_MODES)
+    if sharding == C.FSDP and r != 1:
         raise ConfigError(f"--replicate {r} needs --sharding hsdp (FSDP has no replicate dim)")
     k = n // g
     if r < 1 or k % r:

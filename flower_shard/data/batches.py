@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from flower_shard.config import ConfigError
+from flower_shard.config import choices as C
 from flower_shard.data.corpus import load_blocks
 from flower_shard.data.partition import partition_data
 
@@ -66,7 +67,7 @@ def rank_batches(
     rank_in_group: int,
     seed: int,
     *,
-    how: str = "iid",
+    how: str = C.IID,
     label: str | None = None,
     alpha: float = 0.5,
 ) -> BatchIterator:

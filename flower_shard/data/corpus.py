@@ -17,16 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from flower_shard import runfiles as F
 from flower_shard.config import ConfigError
 from flower_shard.data import cache, pretokenized
 from flower_shard.data.prepare import Job, tokenise
 from flower_shard.data.sources import RECORD_SUFFIXES, SOURCE_LABEL, list_documents
 from flower_shard.data.tokenizers import load_tokenizer
 
-TRAIN_FILE = "train.npy"
-EVAL_FILE = "eval.npy"
-META_FILE = "corpus.json"
-DOCS_FILE = "train_docs.npz"  # per training document: start in train.npy, source, label
 FORMAT = 2  # bump when what prepare_corpus writes changes: older preparations are redone
 
 
@@ -47,7 +44,7 @@ class CorpusInfo:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> CorpusInfo:
-        return cls(**json.loads(Path(directory, META_FILE).read_text()))
+        return cls(**json.loads(Path(directory, F.CORPUS_META).read_text()))
 
 
 def prepare_corpus(
@@ -73,7 +70,7 @@ def prepare_corpus(
     vocab_size, eos_id, name = _vocabulary(source, tokenizer)
     fingerprint = corpus_fingerprint(root, files, name, eval_fraction, text_column, label_field)
     out = Path(out_dir)
-    if cache.complete(out, fingerprint) and (out / DOCS_FILE).exists():
+    if cache.complete(out, fingerprint) and (out / F.TRAIN_DOCS).exists():
         return CorpusInfo.load(out)
     job = Job(
         str(root),
@@ -95,12 +92,12 @@ def prepare_corpus(
         with cache.locked(entry):
             if not cache.complete(entry, fingerprint):
                 _prepare_into(entry, job, files, workers, what, fingerprint)
-        counts = json.loads((entry / META_FILE).read_text())
-        cache.link_files(entry, out, (TRAIN_FILE, EVAL_FILE, DOCS_FILE))
+        counts = json.loads((entry / F.CORPUS_META).read_text())
+        cache.link_files(entry, out, (F.TRAIN_TOKENS, F.EVAL_TOKENS, F.TRAIN_DOCS))
     keys = ("train_tokens", "eval_tokens", "train_files", "eval_files")
     info = CorpusInfo(directory=str(out), **meta, **{k: counts[k] for k in keys})
     (out / cache.STAMP).unlink(missing_ok=True)
-    (out / META_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    (out / F.CORPUS_META).write_text(json.dumps(asdict(info), indent=2) + "\n")
     (out / cache.STAMP).write_text(fingerprint)
     return info
 
@@ -163,14 +160,18 @@ def _prepare_into(dest: Path, job: Job, files, workers: int, what: str, fingerpr
         join(shards, shard_dir, dest, job.dtype, job.label_field)
     finally:
         shutil.rmtree(shard_dir, ignore_errors=True)
-    (dest / META_FILE).write_text(json.dumps({"directory": str(dest), **counts}, indent=2) + "\n")
+    (dest / F.CORPUS_META).write_text(
+        json.dumps({"directory": str(dest), **counts}, indent=2) + "\n"
+    )
     (dest / cache.STAMP).write_text(fingerprint)
     return counts
 
 
 def load_blocks(directory: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
     """The split's token stream as a read-only ``(n_blocks, seq_len + 1)`` view (memory-mapped)."""
-    stream = np.load(Path(directory, EVAL_FILE if split == "eval" else TRAIN_FILE), mmap_mode="r")
+    stream = np.load(
+        Path(directory, F.EVAL_TOKENS if split == "eval" else F.TRAIN_TOKENS), mmap_mode="r"
+    )
     n = stream.size // (seq_len + 1)
     if n == 0:
         raise ConfigError(
@@ -217,7 +218,7 @@ class TrainDocuments:
 
 def load_documents(directory: str | os.PathLike) -> TrainDocuments:
     """Read ``train_docs.npz`` (written by :func:`prepare_corpus`)."""
-    with np.load(Path(directory, DOCS_FILE)) as z:  # str arrays: no pickle needed
+    with np.load(Path(directory, F.TRAIN_DOCS)) as z:  # str arrays: no pickle needed
         labelled = "label_ids" in z
         return TrainDocuments(
             starts=z["starts"],

@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from flower_shard.config import ConfigError
+from flower_shard.config import choices as C
 from flower_shard.data.corpus import load_blocks, load_documents
 
 DIRICHLET_ATTEMPTS = 10  # draws before giving up on every group getting enough blocks
@@ -120,7 +121,7 @@ def partition_data(
     groups: int,
     group_size: int,
     seed: int,
-    how: str = "iid",
+    how: str = C.IID,
     label: str | None = None,
     alpha: float = 0.5,
     min_rank_blocks: int = 1,
@@ -132,13 +133,13 @@ def partition_data(
     at least ``group_size x min_rank_blocks`` blocks.
     """
     n_blocks = len(load_blocks(directory, "train", seq_len))
-    if how == "iid":
+    if how == C.IID:
         return partition(n_blocks, groups, group_size, seed)
     docs = load_documents(directory)
     of_block = block_documents(docs.starts, n_blocks, seq_len)
-    if how == "by-source":
+    if how == C.BY_SOURCE:
         parts = by_source_groups(docs.source_ids[of_block], groups)
-    elif how == "dirichlet":
+    elif how == C.DIRICHLET:
         if label is None:
             raise ConfigError("--partition dirichlet needs --partition-label")
         labels = docs.labels_for(label)[of_block]

@@ -29,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from flower_shard import runfiles as F
 from flower_shard.data import pretokenized
-from flower_shard.data.sources import Document, Unit, is_held_out, read_unit, source_of
+from flower_shard.data.sources import is_held_out, read_unit, source_of
+from flower_shard.data.units import Document, Unit
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +291,9 @@ def _watch(pending, counters, total: int, what: str) -> None:
 
 def join(shards: list[Shard], shard_dir: Path, out: Path, dtype: str, label_field) -> None:
     """Join the shards, in order, into ``out``'s train.npy, eval.npy and train_docs.npz."""
-    from flower_shard.data.corpus import DOCS_FILE, EVAL_FILE, TRAIN_FILE
-
     for suffix, name, size in (
-        ("train", TRAIN_FILE, sum(s.train_tokens for s in shards)),
-        ("eval", EVAL_FILE, sum(s.eval_tokens for s in shards)),
+        ("train", F.TRAIN_TOKENS, sum(s.train_tokens for s in shards)),
+        ("eval", F.EVAL_TOKENS, sum(s.eval_tokens for s in shards)),
     ):
         tmp = out / f".{name}.tmp"
         dest = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(size,))
@@ -303,7 +303,7 @@ def join(shards: list[Shard], shard_dir: Path, out: Path, dtype: str, label_fiel
         dest.flush()
         del dest
         os.replace(tmp, out / name)
-    _join_docs(shards, shard_dir, out / DOCS_FILE, label_field)
+    _join_docs(shards, shard_dir, out / F.TRAIN_DOCS, label_field)
     shutil.rmtree(shard_dir, ignore_errors=True)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from flower_shard.config import ConfigError
-from flower_shard.data.sources import TOKEN_SUFFIXES, TOKENS_META, Unit
+from flower_shard.data.sources import TOKEN_SUFFIXES, TOKENS_META
+from flower_shard.data.units import Unit
 
 TOKENS = "tokens"  # the kind of a token file
 META = TOKENS_META

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flower_shard.config import ConfigError
-from flower_shard.data.sources import Unit
+from flower_shard.data.units import Unit
 
 BATCH_ROWS = 1024  # records per batch read from .parquet files and dataset directories
 

@@ -19,10 +19,10 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from flower_shard.config import ConfigError
+from flower_shard.data.units import Document, Unit
 
 # Files of records (one document per record), as opposed to text files (one document each).
 RECORD_SUFFIXES = (".jsonl", ".parquet")
@@ -119,35 +119,6 @@ def kind_of(path: Path) -> str:
     if path.suffix in RECORD_SUFFIXES:
         return path.suffix[1:]
     return ARROW if path.is_dir() and is_arrow_dataset(path) else "text"
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A contiguous piece of one corpus file that one worker reads: a whole text file, or the
-    records ``first`` .. of a record file that lie in ``[start, stop)`` (bytes for ``.jsonl``,
-    record indices otherwise)."""
-
-    rel: str
-    """The file's path relative to the corpus root (POSIX)."""
-    kind: str
-    """``text``, ``jsonl``, ``parquet`` or ``arrow``."""
-    start: int = 0
-    stop: int = -1
-    """-1: to the end."""
-    first: int = 0
-    """The index of the unit's first record in its file (documents are named ``rel#index``)."""
-    size: int = 0
-    """Bytes to read (for planning and progress)."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document: its name (held-out hash), its file, its UTF-8 text, its label or None."""
-
-    name: str
-    rel: str
-    text: bytes
-    label: str | None
 
 
 def read_unit(

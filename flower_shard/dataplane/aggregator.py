@@ -30,6 +30,7 @@ from concurrent import futures
 from pathlib import Path
 
 from flower_shard import logs
+from flower_shard.config import choices as C
 from flower_shard.dataplane import control, tickets, wire
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class DataPlaneService:
         if not tickets.valid(self.secret, run, rnd, group, rank, req.get("token", "")):
             context.abort(_denied(), "a wrong token for this run, round, group and rank")
         mode = self.state.mode(have)
-        kind = self.state.downlink if mode == "delta" else "none"
+        kind = self.state.downlink if mode == "delta" else C.NO_COMPRESSION
         yield wire.to_json(
             {
                 "mode": mode,

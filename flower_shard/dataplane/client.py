@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flower_shard.config import choices as C
 from flower_shard.dataplane import tickets, wire
 from flower_shard.dataplane.layout import Layout
 
 log = logging.getLogger(__name__)
 
-Piece = tuple[int, int, np.ndarray]  # (parameter index, first element, values)
+# (parameter index, first element, values): values is a float32 array, or anything with
+# ``.size`` whose slices are float32 arrays (the exchange benchmark's synthetic shards).
+Piece = tuple[int, int, np.ndarray]
 
 
 class DataPlaneError(RuntimeError):
@@ -45,21 +48,25 @@ class UplinkEncoder:
     scale_chunk: int
     feedback: bool = True
     residual: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    sent_bytes: int = 0
+    """Bytes of the frames made so far (the caller zeroes it per round)."""
 
     def frames(self, param: int, start: int, values: np.ndarray):
         """Frames for ``values`` of ``param`` from ``start`` (chunked, quantized)."""
         for a in range(0, values.size, wire.CHUNK_VALUES):
             chunk = values[a : a + wire.CHUNK_VALUES]
             key = (param, start + a)
-            if self.kind != "none" and self.feedback and key in self.residual:
+            if self.kind != C.NO_COMPRESSION and self.feedback and key in self.residual:
                 chunk = chunk + self.residual[key]
             scales, data = wire.quantize(chunk, start + a, self.kind, self.scale_chunk)
-            if self.kind != "none" and self.feedback:
+            if self.kind != C.NO_COMPRESSION and self.feedback:
                 lost = chunk - wire.dequantize(scales, data, start + a, self.kind, self.scale_chunk)
                 self.residual[key] = lost if np.isfinite(lost).all() else np.zeros_like(lost)
-            yield wire.encode_chunk(
+            frame = wire.encode_chunk(
                 param, start + a, None, self.kind, self.scale_chunk, (scales, data)
             )
+            self.sent_bytes += len(frame)
+            yield frame
 
 
 class RankLink:
@@ -110,10 +117,13 @@ class RankLink:
         return summaries
 
     def download(
-        self, ranges: list[tuple[int, int, int]], layout: Layout, have_round: int
+        self, ranges: list[tuple[int, int, int]], layout: Layout, have_round: int, sink=None
     ) -> tuple[str, int, dict[tuple[int, int], np.ndarray]]:
         """``(mode, global round, {(param, start): values})`` for the element ranges
-        ``(param, start, stop)``: ``full`` values, or the ``delta`` since round ``have_round``."""
+        ``(param, start, stop)``: ``full`` values, or the ``delta`` since round ``have_round``.
+
+        ``sink(mode, param, start, values)``, when given, takes each chunk as it arrives (to
+        copy it into place) and the dict stays empty: nothing of the model is held twice."""
         by_owner: dict[int, list] = {}
         for r in ranges:
             by_owner.setdefault(layout.params[r[0]].owner, []).append(list(r))
@@ -129,9 +139,11 @@ class RankLink:
                 head = wire.from_json(next(stream))
                 for frame in stream:
                     param, start, _ = wire.decode_header(frame)
-                    out[(param, start)] = wire.decode_values(
-                        frame, head["kind"], head["scale_chunk"]
-                    )
+                    values = wire.decode_values(frame, head["kind"], head["scale_chunk"])
+                    if sink is None:
+                        out[(param, start)] = values
+                    else:
+                        sink(head["mode"], param, start, values)
             except grpc.RpcError as exc:
                 raise DataPlaneError(
                     f"aggregator {self.ticket.addresses[owner]}: download: {exc.code().name} "

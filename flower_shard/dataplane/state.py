@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flower_shard.config import choices as C
 from flower_shard.dataplane import wire
 from flower_shard.dataplane.layout import Layout, Param
 from flower_shard.dataplane.spool import GroupSpool
@@ -57,16 +58,16 @@ class AggregatorState:
         initial: dict[str, np.ndarray],
         spool_dir: Path,
         *,
-        uplink: str = "none",
-        downlink: str = "none",
+        uplink: str = C.NO_COMPRESSION,
+        downlink: str = C.NO_COMPRESSION,
         scale_chunk: int = 2048,
-        outer: str = "fedavg",
+        outer: str = C.FEDAVG,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
     ):
         import torch
 
-        from flower_shard.runtime.outer_sync import OuterOptimizer
+        from flower_shard.runtime.outer_optimizer import OuterOptimizer
 
         self.layout, self.index = layout, index
         self.params: list[Param] = layout.owned(index)
@@ -87,7 +88,7 @@ class AggregatorState:
         )
         del flat
         self.uplink, self.downlink, self.scale_chunk = uplink, downlink, scale_chunk
-        self.view = self.weights.copy() if downlink != "none" else None
+        self.view = self.weights.copy() if downlink != C.NO_COMPRESSION else None
         self.delta: tuple[np.ndarray, np.ndarray] | None = None
         self.delta_round = -1
         self.round = 0
@@ -200,9 +201,9 @@ class AggregatorState:
             if mode == "delta":
                 scales, data = self.delta[0][k], self.delta[1][k]
                 first, last = wire.blocks_of(a, b - a, self.scale_chunk)
-                s = scales[first:last] if self.downlink == "int8" else scales
+                s = scales[first:last] if self.downlink == C.INT8 else scales
                 yield wire.encode_chunk(
                     param, a, None, self.downlink, self.scale_chunk, (s, data[a:b])
                 )
             else:
-                yield wire.encode_chunk(param, a, source[at + a : at + b], "none", 1)
+                yield wire.encode_chunk(param, a, source[at + a : at + b], C.NO_COMPRESSION, 1)

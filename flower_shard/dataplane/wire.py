@@ -15,6 +15,8 @@ import struct
 
 import numpy as np
 
+from flower_shard.config import choices as C
+
 SERVICE = "flower_shard.DataPlane"
 UPLOAD = "Upload"  # stream of frames from a rank -> summary
 DOWNLOAD = "Download"  # request -> stream of frames to a rank
@@ -28,7 +30,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
 ]
 
-VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1}
+VALUE_BYTES = {C.NO_COMPRESSION: 4, C.BF16: 2, C.INT8: 1}
 
 
 def blocks_of(start: int, count: int, scale_chunk: int) -> tuple[int, int]:
@@ -46,7 +48,7 @@ def blocks_of(start: int, count: int, scale_chunk: int) -> tuple[int, int]:
 def payload_size(kind: str, start: int, count: int, scale_chunk: int) -> int:
     """Bytes after the header of a frame of ``count`` values from element ``start``."""
     first, last = blocks_of(start, count, scale_chunk)
-    scales = 4 * (last - first) if kind == "int8" else 0
+    scales = 4 * (last - first) if kind == C.INT8 else 0
     return scales + VALUE_BYTES[kind] * count
 
 
@@ -56,9 +58,9 @@ def quantize(values: np.ndarray, start: int, kind: str, scale_chunk: int) -> tup
     even, as torch), or the float32 values themselves (scales empty)."""
     values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     none = np.zeros(0, dtype=np.float32)
-    if kind == "none":
+    if kind == C.NO_COMPRESSION:
         return none, values
-    if kind == "bf16":
+    if kind == C.BF16:
         bits = values.view(np.uint32).astype(np.uint64)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return none, rounded.astype(np.uint16)
@@ -75,9 +77,9 @@ def quantize(values: np.ndarray, start: int, kind: str, scale_chunk: int) -> tup
 
 def dequantize(scales: np.ndarray, data: np.ndarray, start: int, kind: str, scale_chunk: int):
     """The float32 values that ``quantize`` encoded (elements from ``start``)."""
-    if kind == "none":
+    if kind == C.NO_COMPRESSION:
         return np.asarray(data, dtype=np.float32)
-    if kind == "bf16":
+    if kind == C.BF16:
         return (np.asarray(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
     first = start // scale_chunk
     block = (np.arange(start, start + data.size) // scale_chunk) - first
@@ -108,12 +110,12 @@ def decode_values(frame: bytes, kind: str, scale_chunk: int) -> np.ndarray:
     _, start, count = HEADER.unpack_from(frame)
     body = memoryview(frame)[HEADER.size :]
     first, last = blocks_of(start, count, scale_chunk)
-    n_scales = (last - first) if kind == "int8" else 0
+    n_scales = (last - first) if kind == C.INT8 else 0
     scales = np.frombuffer(body[: 4 * n_scales], dtype=np.float32)
-    dtype = {"none": np.float32, "bf16": np.uint16, "int8": np.int8}[kind]
+    dtype = {C.NO_COMPRESSION: np.float32, C.BF16: np.uint16, C.INT8: np.int8}[kind]
     data = np.frombuffer(body[4 * n_scales :], dtype=dtype)
     values = dequantize(scales, data, start, kind, scale_chunk)
-    return values.copy() if kind == "none" else values
+    return values.copy() if kind == C.NO_COMPRESSION else values
 
 
 def to_json(obj) -> bytes:

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+CA_NAME = "flower-shard test CA"
 
 
 @dataclass(frozen=True)
@@ -120,52 +121,10 @@ def make_tls_certificates(
     out = Path(out_dir)
     start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=1)
     end = start + datetime.timedelta(days=valid_days)
-
     ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flower-shard test CA")])
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            _key_usage(ca=True),
-            critical=True,
-        )
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA384())
-    )
-
+    ca_cert = _ca_certificate(ca_key, start, end)
     server_key = ec.generate_private_key(ec.SECP384R1())
-    server_cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            _key_usage(ca=False),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(_subject_alt_names(hosts), critical=False)
-        .add_extension(
-            x509.SubjectKeyIdentifier.from_public_key(server_key.public_key()), critical=False
-        )
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA384())
-    )
+    server_cert = _server_certificate(server_key, ca_key, ca_cert, list(hosts), start, end)
 
     files = TlsFiles(out / "ca.crt", out / "server.pem", out / "server.key")
     _write(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
@@ -180,6 +139,59 @@ def make_tls_certificates(
         private=True,
     )
     return files
+
+
+def _validity(builder: x509.CertificateBuilder, start, end) -> x509.CertificateBuilder:
+    """A fresh serial number and the validity window."""
+    return (
+        builder.serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+    )
+
+
+def _ca_certificate(key: ec.EllipticCurvePrivateKey, start, end) -> x509.Certificate:
+    """A self-signed CA that may sign server certificates only (path length 0)."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+    builder = x509.CertificateBuilder().subject_name(name).issuer_name(name)
+    return (
+        _validity(builder.public_key(key.public_key()), start, end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(ca=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA384())
+    )
+
+
+def _server_certificate(
+    key: ec.EllipticCurvePrivateKey,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    hosts: list[str],
+    start,
+    end,
+) -> x509.Certificate:
+    """A TLS server certificate for ``hosts`` (the first is its common name), signed by ``ca``."""
+    ca_ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+    )
+    return (
+        _validity(builder, start, end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(_subject_alt_names(hosts), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA384())
+    )
 
 
 def make_supernode_keys(out_dir: str | os.PathLike, name: str = "supernode") -> SuperNodeKeys:

@@ -13,6 +13,7 @@ registered through its Control API (``flwr supernode register``); each node gets
 from __future__ import annotations
 
 import json
+import logging
 import os
 import ssl
 import subprocess
@@ -21,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.config import ConfigError
 from flower_shard.flower.certificates import (
@@ -29,11 +31,17 @@ from flower_shard.flower.certificates import (
     make_supernode_keys,
     make_tls_certificates,
 )
-from flower_shard.flower.node.launcher import Node, NodeConfig, bin_path, env_with_bin
+from flower_shard.flower.node.config import NodeConfig
+from flower_shard.flower.node.launcher import Node, bin_path, env_with_bin
 from flower_shard.launch.processes import ManagedProcess, free_port, start_marked, stop_tree
+
+logger = logging.getLogger(__name__)
 
 CONNECTION = "local-deployment"
 APP_DIR = Path(__file__).resolve().parents[2]  # the Flower App: this project's pyproject
+FLWR_HOME = "flwr-home"  # under the work directory: Flower's config.toml with the connection
+FLWR_CONFIG = "config.toml"
+SUPERLINK_LOG = "superlink.log"
 
 
 def toml_value(value) -> str:
@@ -92,13 +100,13 @@ class LocalDeployment:
             )
         self.nproc_per_group = list(nproc_per_group)
         """Each node's group size."""
-        self.log = log or (lambda _msg: None)
+        self.log = log or logger.info
         self.fault_files = fault_files or [None] * num_nodes
         self.poll_interval, self.warm_clientapp = poll_interval, warm_clientapp
         self.port = free_port()
         self.superlink: ManagedProcess | None = None
         self.nodes: list[Node] = []
-        self.flwr_home = self.work_dir / "flwr-home"
+        self.flwr_home = self.work_dir / FLWR_HOME
         self.tls, self.supernode_auth = tls, supernode_auth
         self.tls_files: TlsFiles | None = None
         """The CA and server certificate (``tls``), made by :meth:`start`."""
@@ -149,17 +157,49 @@ class LocalDeployment:
             else "insecure = true\n"
         )
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        (self.flwr_home / "config.toml").write_text(
+        (self.flwr_home / FLWR_CONFIG).write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
             f'[superlink.{CONNECTION}]\naddress = "{self.address}"\n{security}'
         )
 
     def start(self) -> None:
+        """Start the SuperLink, register the nodes' keys (``supernode_auth``), then the nodes:
+        their groups side by side, then each SuperNode once its group answers."""
         if self.tls:
             # The SuperLink's own SuperExec dials 127.0.0.1:PORT with the same CA, so the
             # certificate must name 127.0.0.1 as well as what nodes and `flwr` dial.
             self.tls_files = make_tls_certificates(self.work_dir / "certs")
         self._write_connection()
+        self.log(
+            f"starting flower-superlink on {self.address}"
+            + (" (TLS)" if self.tls else "")
+            + (" (SuperNode authentication)" if self.supernode_auth else "")
+        )
+        self.superlink = ManagedProcess(
+            "superlink",
+            self._superlink_command(),
+            self.work_dir / SUPERLINK_LOG,
+            self.env(),
+            cwd=self.work_dir,
+        )
+        self._wait_healthy()
+        if self.supernode_auth:
+            for i in range(self.num_nodes):
+                keys = make_supernode_keys(self.work_dir / "keys", f"node{i}")
+                self.node_ids.append(self.register_supernode(keys.public_key, name=f"node{i}"))
+                self.node_keys.append(keys)
+        for i in range(self.num_nodes):
+            self.log(
+                f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group[i]} "
+                "ranks, then flower-supernode"
+            )
+            self.nodes.append(Node(self._node_config(i), prefix=self.command_prefix(i)))
+            self.nodes[-1].launch_group()  # the groups start side by side
+        for node in self.nodes:
+            node.wait_group()
+            node.start_supernode()
+
+    def _superlink_command(self) -> list[str]:
         cmd = [
             *self.command_prefix(None),
             bin_path("flower-superlink"),
@@ -182,42 +222,17 @@ class LocalDeployment:
             cmd.append("--insecure")
         if self.supernode_auth:
             cmd.append("--enable-supernode-auth")
-        self.log(
-            f"starting flower-superlink on {self.address}"
-            + (" (TLS)" if self.tls else "")
-            + (" (SuperNode authentication)" if self.supernode_auth else "")
+        return cmd
+
+    def _node_config(self, i: int) -> NodeConfig:
+        """Node ``i``'s settings: its group size, work dir, fault file and key."""
+        return self.node_config(
+            nproc_per_group=self.nproc_per_group[i],
+            work_dir=str(self.work_dir / f"node{i}"),
+            dump_dir=self.dump_dir,
+            fault_file=self.fault_files[i],
+            auth_private_key=str(self.node_keys[i].private_key) if self.supernode_auth else None,
         )
-        self.superlink = ManagedProcess(
-            "superlink", cmd, self.work_dir / "superlink.log", self.env(), cwd=self.work_dir
-        )
-        self._wait_healthy()
-        if self.supernode_auth:
-            for i in range(self.num_nodes):
-                keys = make_supernode_keys(self.work_dir / "keys", f"node{i}")
-                self.node_ids.append(self.register_supernode(keys.public_key, name=f"node{i}"))
-                self.node_keys.append(keys)
-        for i in range(self.num_nodes):
-            self.log(
-                f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group[i]} "
-                "ranks, then flower-supernode"
-            )
-            node = Node(
-                self.node_config(
-                    nproc_per_group=self.nproc_per_group[i],
-                    work_dir=str(self.work_dir / f"node{i}"),
-                    dump_dir=self.dump_dir,
-                    fault_file=self.fault_files[i],
-                    auth_private_key=(
-                        str(self.node_keys[i].private_key) if self.supernode_auth else None
-                    ),
-                ),
-                prefix=self.command_prefix(i),
-            )
-            self.nodes.append(node)
-            node.launch_group()  # the groups start side by side
-        for node in self.nodes:
-            node.wait_group()
-            node.start_supernode()
 
     def node_config(self, **overrides) -> NodeConfig:
         """A NodeConfig that connects to this SuperLink (TLS if on), with ``overrides``."""
@@ -304,7 +319,7 @@ class LocalDeployment:
 
         ``on_round`` is called with each metrics line as the ServerApp writes it.
         """
-        out = Path(run_config["out-dir"])
+        out = Path(run_config[P.OUT_DIR])
         for name in (F.SUMMARY_FILE, F.METRICS_FILE):
             (out / name).unlink(missing_ok=True)
         cmd = [

@@ -66,6 +66,8 @@ class ManagedProcess:
         cwd: str | os.PathLike | None = None,
     ):
         self.name = name
+        self.cmd, self.env, self.cwd = cmd, env, cwd
+        """What it runs, as given (to start it again)."""
         self.log_path = Path(log)
         self._log = open(self.log_path, "ab")
         self.proc, self.marker = start_marked(

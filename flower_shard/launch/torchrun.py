@@ -18,6 +18,9 @@ from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
 from flower_shard.launch.processes import start_marked, stop_tree
 from flower_shard.preflight import check, prepare_for
+from flower_shard.threads import with_threads
+
+TRAIN_MODULE = "flower_shard.launch.job"  # what torchrun runs on every rank (one torch job)
 
 
 def torchrun_command(
@@ -26,7 +29,7 @@ def torchrun_command(
     *,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
-    module: str = "flower_shard.runtime.trainer",
+    module: str = TRAIN_MODULE,
 ) -> list[str]:
     """The torchrun command line that starts this host's N / nnodes ranks."""
     cmd = [
@@ -60,9 +63,7 @@ def torchrun_command(
 
 def worker_env(cfg: TrainConfig) -> dict[str, str]:
     """Environment of the ranks: one share of the host's cores each, quiet libraries."""
-    env = dict(os.environ)
-    local = cfg.world_size // cfg.nnodes
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
+    env = with_threads(dict(os.environ), cfg.world_size // cfg.nnodes)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

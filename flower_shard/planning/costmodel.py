@@ -1,7 +1,8 @@
 """A cost model of FL+FSDP / FL+HSDP against FSDP / HSDP on a multi-tier network.
 
-Pure functions, no torch. Notation: N ranks, G groups of K ranks, K = R x S (HSDP replicate x
-shard), P parameters, T local steps per round.
+Pure functions, no torch (torch is imported by a Topology only to build a mesh). Notation: N
+ranks, G groups of K ranks, K = R x S (HSDP replicate x shard), P parameters, T local steps per
+round: a :class:`Layout`.
 
 Bytes each rank sends, ring collectives (a ring all-gather or reduce-scatter over n ranks
 moves (n-1)/n of the full tensor through every rank; an all-reduce twice that):
@@ -30,7 +31,11 @@ so each group makes its own progress and throughput counts all N ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from flower_shard.config import choices as C
+from flower_shard.runtime.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -83,12 +88,13 @@ class Workload:
     param_bytes: int = 4
     """Bytes per parameter in the all-gathers (2 with bf16 compute)."""
     grad_bytes: int = 4
-    """Bytes per gradient element in the reduce-scatter / all-reduce."""
+    """Bytes per gradient element in the reduce-scatter / all-reduce: 4 even with bf16
+    compute, since the runtime reduces in float32 (``parallelize``: ``reduce_dtype``)."""
     allgathers: float = 2.0
     """All-gathers of every parameter per step (2 with reshard after forward)."""
     overlap: float = 0.0
     """Fraction of the intra-group communication hidden behind compute."""
-    compression: str = "none"
+    compression: str = C.NO_COMPRESSION
     """The outer sync's payload: `none` (float32 all-reduce), `bf16` or `int8` (all-gather)."""
     compression_chunk: int = 2048
     """int8: values per float32 scale."""
@@ -96,27 +102,19 @@ class Workload:
     @property
     def exchange_value_bytes(self) -> float:
         """Bytes per value of the outer sync's payload."""
-        return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / self.compression_chunk}[
-            self.compression
-        ]
+        per_value = {C.NO_COMPRESSION: 4.0, C.BF16: 2.0, C.INT8: 1.0 + 4.0 / self.compression_chunk}
+        return per_value[self.compression]
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Parallel degrees: N = G x K, K = R x S."""
+class Layout(Topology):
+    """A run's parallel degrees and its T: the :class:`~flower_shard.runtime.topology.Topology`
+    that a real run builds its mesh from (N = G x K, K = R x S, checked on construction:
+    :class:`~flower_shard.errors.ConfigError` names the degree that does not divide), plus the
+    local steps per round that the cost model divides the exchange by."""
 
-    world: int
-    groups: int = 1
-    replicate: int = 1
     local_steps: int = 1
-
-    @property
-    def group_size(self) -> int:
-        return self.world // self.groups
-
-    @property
-    def shard(self) -> int:
-        return self.group_size // self.replicate
+    """T: inner steps per round; the outer sync costs 1 / T of itself per step."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,7 @@ def sent_bytes(kind: str, payload: float, n: int, backend: str = "nccl") -> floa
 def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[str, float]:
     """Bytes each rank sends inside its group in one step, per collective (the names of
     :mod:`flower_shard.runtime.intra_comm`, which counts them in a real run)."""
-    s, r = lay.shard, lay.replicate
+    s, r = lay.shard_degree, lay.replicate
     return {
         "allgather": w.allgathers * sent_bytes("allgather", w.params * w.param_bytes / s, s),
         "reduce_scatter": sent_bytes("reduce_scatter", w.params * w.grad_bytes, s, backend),
@@ -177,17 +175,17 @@ def outer_sync_bytes(w: Workload, lay: Layout) -> float:
     """Bytes each rank sends to other groups in one outer sync: its 1/R stripe of the float32
     shards in a ring all-reduce over G, or compressed shards in a ring all-gather (every group
     needs every payload to decode; not striped)."""
-    if w.compression == "none":
-        return 2 * ring_fraction(lay.groups) * w.params * 4 / (lay.shard * lay.replicate)
-    return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard
+    if w.compression == C.NO_COMPRESSION:
+        return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.group_size
+    return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard_degree
 
 
 def outer_stripe_gather_bytes(w: Workload, lay: Layout) -> float:
     """Bytes each rank sends inside its group in one outer sync: the all-gather of the averaged
     stripes among the R replicas (none for FSDP, compressed syncs or G = 1)."""
-    if lay.groups == 1 or w.compression != "none":
+    if lay.groups == 1 or w.compression != C.NO_COMPRESSION:
         return 0.0
-    return sent_bytes("allgather", w.params * 4 / (lay.shard * lay.replicate), lay.replicate)
+    return sent_bytes("allgather", w.params * 4 / lay.group_size, lay.replicate)
 
 
 def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
@@ -196,9 +194,7 @@ def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: 
 
 def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     """Step time, communication and throughput of one layout."""
-    if lay.world % lay.groups or lay.group_size % lay.replicate:
-        raise ValueError(f"invalid layout {lay}: need N = G x K and K = R x S")
-    s, r, g = lay.shard, lay.replicate, lay.groups
+    s, r, g = lay.shard_degree, lay.replicate, lay.groups
     b = intra_group_bytes(w, lay, net.backend)
     # Shard dim: S consecutive ranks; replicate dim: R ranks S apart; groups: G ranks K apart.
     bw_s, lat_s = net.tier(s)
@@ -211,7 +207,7 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     ) * (1.0 - w.overlap)
     gather = outer_stripe_gather_bytes(w, lay)  # once a round, not overlapped
     intra += _collective_s(gather, r, bw_r, lat_r, 1) / lay.local_steps
-    ring_steps = 2 if w.compression == "none" else 1  # all-reduce vs all-gather
+    ring_steps = 2 if w.compression == C.NO_COMPRESSION else 1  # all-reduce vs all-gather
     inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, ring_steps) / lay.local_steps
     step = w.compute_s + intra + inter
     return Prediction(
@@ -220,14 +216,14 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         inter_s=inter,
         intra_bytes=sum(b.values()) + gather / lay.local_steps,
         inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
-        tokens_per_s=lay.world * w.tokens_per_step / step,
+        tokens_per_s=lay.world_size * w.tokens_per_step / step,
         extra={"bytes": b},
     )
 
 
 def speedup(w: Workload, fl: Layout, net: Network) -> float:
     """Throughput of ``fl`` over the same N ranks as one FSDP/HSDP job (G = 1, T = 1)."""
-    base = Layout(world=fl.world, groups=1, replicate=fl.replicate, local_steps=1)
+    base = dataclasses.replace(fl, groups=1, local_steps=1)
     return predict(w, fl, net).tokens_per_s / predict(w, base, net).tokens_per_s
 
 

@@ -4,106 +4,177 @@ Example, the paper's setting (512 A100 in nodes of 4, Llama 3.1 8B, bf16, batch 
 
     flower-shard plan --model llama3.1-8b --gpus 512 --gpus-per-node 4 --nodes-per-site 32 \\
         --intra-node-gbps 2400 --inter-node-gbps 200 --inter-site-gbps 10 --bf16
+
+Every layout is priced twice: its step time and throughput by
+:mod:`~flower_shard.planning.costmodel` (the collective transport between groups), its memory
+per GPU by :mod:`~flower_shard.planning.memory`. Layouts whose peak exceeds ``--gpu-memory``
+are marked and never recommended; the table lists the layouts that fit first, fastest first.
+Speed-ups are against the best G = 1 layout that fits (plain FSDP or HSDP over all GPUs), the
+run a user would otherwise start. bf16 is priced as the runtime runs it
+(``runtime/parallelize.py``: bf16 all-gathers, float32 gradient reduction).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
-from flower_shard.config import ConfigError
-from flower_shard.planning.costmodel import (
-    Layout,
-    Network,
-    Prediction,
-    Workload,
-    llama_params,
-    predict,
-)
+from flower_shard.config import choices as C
+from flower_shard.errors import ConfigError
+from flower_shard.planning.costmodel import Layout, Network, Prediction, Workload, predict
+from flower_shard.planning.memory import GB, MemoryEstimate, ModelShape, StepSetup, estimate
+
+SHARED, PER_RANK = "shared", "per-rank"
+SITE_LINKS = (SHARED, PER_RANK)
+"""--site-link: how the inter-site bandwidth is split (Network.site_link_shared)."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What a layout's memory is priced from, and the memory of one GPU."""
+
+    shape: ModelShape
+    setup: StepSetup
+    gpu_bytes: float
+    reserved: float = 0.0
+    """Bytes per GPU kept free (CUDA context, NCCL buffers, fragmentation)."""
+
+    def of(self, lay: Layout) -> MemoryEstimate:
+        return estimate(
+            self.shape, self.setup, lay.shard_degree, lay.groups, lay.replicate, self.reserved
+        )
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One layout the planner considered, with the cost model's prediction and its memory."""
+
     layout: Layout
-    sharding: str
     prediction: Prediction
-    speedup: float
-    """Throughput over the same-sharding baseline (G = 1) on the same ranks."""
-
-
-def model_params(name: str) -> int:
-    from flower_shard.config.presets import PRESETS
-
-    p = PRESETS[name]
-    return llama_params(
-        p.hidden_size, p.num_layers, p.num_heads, p.num_kv_heads, p.intermediate_size, p.vocab_size
-    )
+    memory: MemoryEstimate
+    fits: bool
+    """The peak per GPU is within the budget."""
+    speedup: float = 0.0
+    """Throughput over the best G = 1 layout that fits (see :func:`rank`)."""
 
 
 def candidates(
-    w: Workload, net: Network, world: int, local_steps=(1, 2, 4, 8, 16), max_local_steps: int = 8
+    w: Workload,
+    net: Network,
+    world: int,
+    budget: MemoryBudget,
+    local_steps=(1, 2, 4, 8, 16),
+    max_local_steps: int = 8,
 ) -> list[Candidate]:
-    """Every FSDP / HSDP layout with G dividing N and T in ``local_steps`` (T <= max)."""
+    """Every FSDP / HSDP layout with G dividing N and T in ``local_steps`` (T <= max), ranked
+    by :func:`rank`."""
     out = []
     node = net.ranks_per_node
     for g in (d for d in range(1, world + 1) if world % d == 0):
         k = world // g
-        shardings = [("fsdp", 1)]
+        shardings = [(C.FSDP, 1)]
         if k % node == 0 and k > node:  # HSDP: shard inside a node, replicate across nodes
-            shardings.append(("hsdp", k // node))
+            shardings.append((C.HSDP, k // node))
         for sharding, r in shardings:
-            base = predict(w, Layout(world, 1, r, 1), net)
             for t in local_steps if g > 1 else (1,):
                 if t > max_local_steps:
                     continue
-                lay = Layout(world, g, r, t)
-                pred = predict(w, lay, net)
-                out.append(Candidate(lay, sharding, pred, pred.tokens_per_s / base.tokens_per_s))
-    return sorted(out, key=lambda c: -c.prediction.tokens_per_s)
+                lay = Layout(world, g, sharding, r, local_steps=t)
+                memory = budget.of(lay)
+                fits = memory.fits(budget.gpu_bytes)
+                out.append(Candidate(lay, predict(w, lay, net), memory, fits))
+    return rank(out)
+
+
+def best_baseline(cands: list[Candidate]) -> Candidate:
+    """The fastest G = 1 layout that fits; the fastest G = 1 layout when none fits."""
+    g1 = [c for c in cands if c.layout.groups == 1]
+    fitting = [c for c in g1 if c.fits] or g1
+    return max(fitting, key=lambda c: c.prediction.tokens_per_s)
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Layouts that fit first, then by throughput; each with its speed-up over
+    :func:`best_baseline`."""
+    base = best_baseline(cands).prediction.tokens_per_s
+    out = [
+        Candidate(c.layout, c.prediction, c.memory, c.fits, c.prediction.tokens_per_s / base)
+        for c in cands
+    ]
+    return sorted(out, key=lambda c: (not c.fits, -c.prediction.tokens_per_s))
+
+
+def recommended(cands: list[Candidate]) -> Candidate | None:
+    """The fastest layout with groups (G > 1) that fits, else the fastest G = 1 one that fits;
+    None when nothing fits."""
+    fitting = [c for c in cands if c.fits]
+    return next((c for c in fitting if c.layout.groups > 1), fitting[0] if fitting else None)
 
 
 def format_table(cands: list[Candidate], top: int = 15) -> str:
+    """The ranked layouts; ``vs best G=1`` is :attr:`Candidate.speedup`."""
     rows = [
         f"{'sharding':8s} {'G':>5s} {'K':>5s} {'R':>3s} {'T':>3s} {'tokens/s':>12s} "
-        f"{'step s':>8s} {'comm %':>7s} {'inter bytes %':>14s} {'vs G=1':>7s}"
+        f"{'step s':>8s} {'comm %':>7s} {'inter bytes %':>14s} {'vs best G=1':>12s} "
+        f"{'mem/GPU GB':>11s} {'fits':>4s}"
     ]
     for c in cands[:top]:
         lay, p = c.layout, c.prediction
         rows.append(
-            f"{c.sharding:8s} {lay.groups:5d} {lay.group_size:5d} {lay.replicate:3d} "
+            f"{lay.sharding:8s} {lay.groups:5d} {lay.group_size:5d} {lay.replicate:3d} "
             f"{lay.local_steps:3d} {p.tokens_per_s:12,.0f} {p.step_s:8.3f} "
             f"{100 * p.comm_share:6.1f}% {100 * p.inter_byte_share:13.2f}% "
-            f"{c.speedup:6.2f}x"
+            f"{c.speedup:11.2f}x {c.memory.peak / GB:11.1f} {'yes' if c.fits else 'no':>4s}"
         )
     return "\n".join(rows)
 
 
+def describe(c: Candidate) -> str:
+    """``HSDP G=4 K=128 R=32 T=8``."""
+    lay = c.layout
+    r = f" R={lay.replicate}" if lay.sharding == C.HSDP else ""
+    t = f" T={lay.local_steps}" if lay.groups > 1 else ""
+    return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}"
+
+
+def summary_lines(cands: list[Candidate], gpu_gb: float) -> list[str]:
+    """The baseline, what does not fit, and the recommendation, one line each."""
+    base = best_baseline(cands)
+    fits = "" if base.fits else f" (it does not fit in {gpu_gb:g} GB either)"
+    lines = [
+        f"speed-ups against the best G=1 layout, {describe(base)}: "
+        f"{base.prediction.tokens_per_s:,.0f} tokens/s, {base.memory.peak / GB:.1f} GB/GPU{fits}"
+    ]
+    too_big = [c for c in cands if not c.fits]
+    if too_big:
+        fastest = max(too_big, key=lambda c: c.prediction.tokens_per_s)
+        lines.append(
+            f"{len(too_big)} of {len(cands)} layouts need more than {gpu_gb:g} GB per GPU and "
+            f"are not recommended (fastest of them: {describe(fastest)}, "
+            f"{fastest.memory.peak / GB:.1f} GB/GPU)"
+        )
+    best = recommended(cands)
+    if best is None:
+        lines.append(
+            f"recommended: none; no layout fits in {gpu_gb:g} GB per GPU: use more GPUs or "
+            "GPUs with more memory, a smaller --batch-size or --seq-len, or --bf16"
+        )
+        return lines
+    p = best.prediction
+    lines.append(
+        f"recommended: {describe(best)}: {p.tokens_per_s:,.0f} tokens/s, {best.speedup:.2f}x "
+        f"over {describe(base)}, {best.memory.peak / GB:.1f} GB/GPU, communication "
+        f"{100 * p.comm_share:.0f}% of a step, inter-group {100 * p.inter_byte_share:.2f}% of "
+        "the bytes"
+    )
+    return lines
+
+
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama3.1-8b", help="a preset (flower_shard.runtime.models)")
-    p.add_argument("--gpus", type=int, default=512, help="N: all ranks")
-    p.add_argument("--gpus-per-node", type=int, default=4)
-    p.add_argument(
-        "--nodes-per-site",
-        type=int,
-        default=None,
-        help="nodes in one site (default: all nodes in one site)",
-    )
-    p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per link, Gbit/s")
-    p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per link, Gbit/s")
-    p.add_argument("--inter-site-gbps", type=float, default=10.0, help="per link, Gbit/s")
-    p.add_argument(
-        "--site-link",
-        choices=("shared", "per-rank"),
-        default="shared",
-        help="shared: one link per site, split by every ring that leaves it at once (a WAN "
-        "link; what bench/multitier.py emulates and validates); per-rank: each GPU has its "
-        "own inter-site path at --inter-site-gbps",
-    )
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--bf16", action="store_true", help="bf16 all-gathers and gradients")
-    p.add_argument("--gpu-tflops", type=float, default=312.0, help="peak dense TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of compute")
+    """The flags of ``flower-shard plan``: the cluster, then the model and its step."""
+    _add_cluster_flags(p)
+    _add_step_flags(p)
     p.add_argument(
         "--max-local-steps",
         type=int,
@@ -113,62 +184,157 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=15, help="rows to print")
 
 
-def plan_from_args(args: argparse.Namespace) -> int:
-    from flower_shard.config.presets import PRESETS
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", type=int, default=512, help="N: all ranks")
+    p.add_argument("--gpus-per-node", type=int, default=4)
+    p.add_argument(
+        "--nodes-per-site",
+        type=int,
+        default=None,
+        help="nodes in one site; divides the nodes (default: all nodes in one site)",
+    )
+    p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per link, Gbit/s")
+    p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per link, Gbit/s")
+    p.add_argument("--inter-site-gbps", type=float, default=10.0, help="per link, Gbit/s")
+    p.add_argument(
+        "--site-link",
+        choices=SITE_LINKS,
+        default=SHARED,
+        help="shared: one link per site, split by every ring that leaves it at once (a WAN "
+        "link; what bench/multitier.py emulates and validates); per-rank: each GPU has its "
+        "own inter-site path at --inter-site-gbps",
+    )
+    p.add_argument("--gpu-tflops", type=float, default=312.0, help="peak dense TFLOP/s per GPU")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation, in (0, 1]")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU")
+    p.add_argument(
+        "--reserved-gb",
+        type=float,
+        default=2.0,
+        help="GB per GPU kept free for the CUDA context, NCCL buffers and fragmentation",
+    )
 
-    if args.model not in PRESETS:
-        raise ConfigError(f"--model {args.model!r} is unknown; choose one of {', '.join(PRESETS)}")
-    for flag in ("gpus", "gpus_per_node", "batch_size", "seq_len", "max_local_steps"):
+
+def _add_step_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="llama3.1-8b",
+        help="a preset (flower_shard/config/presets.py) or a local transformers model directory "
+        "(config.json, with or without weights), as `train` takes it",
+    )
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 compute as `train --bf16` runs it: bf16 all-gathers and activations, "
+        "float32 gradient reduce-scatters, weights and optimizer state",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="price activations as with every decoder layer checkpointed (a what-if: `train` "
+        "does not checkpoint activations)",
+    )
+    p.add_argument(
+        "--outer",
+        choices=C.OUTER_OPTIMIZERS,
+        default=C.FEDAVG,
+        help="the outer optimizer (nesterov keeps two more float32 copies of a rank's shard)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=C.COMPRESSIONS,
+        default=Workload.compression,
+        help="the outer sync's payload between groups: float32 all-reduce (none), or a bf16 / "
+        "int8 all-gather (flower_shard/runtime/compression.py)",
+    )
+
+
+def plan_from_args(args: argparse.Namespace) -> int:
+    """``flower-shard plan``: check the flags, rank the layouts, print the table and the pick."""
+    from flower_shard.planning.shapes import model_shape
+
+    check_plan_args(args)
+    shape = model_shape(args.model, args.seq_len)
+    w, net = workload_and_network(args, shape.params)
+    budget = MemoryBudget(shape, step_setup(args), args.gpu_memory * GB, args.reserved_gb * GB)
+    cands = candidates(w, net, args.gpus, budget, max_local_steps=args.max_local_steps)
+    print(
+        f"{args.model}: {_count(w.params)} parameters, {args.gpus} GPUs "
+        f"({args.gpus_per_node} per node, {net.nodes_per_site} node(s) per site, "
+        f"{args.gpu_memory:g} GB each), compute {w.compute_s * 1e3:.0f} ms per step, "
+        f"{'bf16' if args.bf16 else 'fp32'}, outer {args.outer}"
+    )
+    print(format_table(cands, args.top))
+    for line in summary_lines(cands, args.gpu_memory):
+        print(line)
+    return 0
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def step_setup(args: argparse.Namespace) -> StepSetup:
+    """What the memory model needs of a rank's step, from the flags (GPU: foreach AdamW)."""
+    return StepSetup(
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        bf16=args.bf16,
+        activation_checkpointing=args.activation_checkpointing,
+        outer=args.outer,
+        compression=args.compression,
+    )
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Raise :class:`ConfigError` (one line) on the first wrong flag."""
+    for flag in ("gpus", "gpus_per_node", "batch_size", "seq_len", "max_local_steps", "top"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node")
-    if (
-        min(
-            args.intra_node_gbps,
-            args.inter_node_gbps,
-            args.inter_site_gbps,
-            args.gpu_tflops,
-            args.mfu,
+    nodes = args.gpus // args.gpus_per_node
+    sites = args.nodes_per_site
+    if sites is not None and (sites < 1 or nodes % sites):
+        raise ConfigError(
+            f"--nodes-per-site {sites} must divide the {nodes} nodes (--gpus / --gpus-per-node)"
         )
-        <= 0
-    ):
-        raise ConfigError("bandwidths, --gpu-tflops and --mfu must be > 0")
-    params = model_params(args.model)
+    numbers = ("intra_node_gbps", "inter_node_gbps", "inter_site_gbps", "gpu_tflops")
+    for flag in (*numbers, "mfu", "gpu_memory", "reserved_gb"):
+        if not math.isfinite(getattr(args, flag)):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number")
+    for flag in (*numbers, "gpu_memory"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu:g} must be in (0, 1]: a share of the peak FLOP/s")
+    if not 0 <= args.reserved_gb < args.gpu_memory:
+        raise ConfigError("--reserved-gb must be >= 0 and less than --gpu-memory")
+
+
+def workload_and_network(args: argparse.Namespace, params: int) -> tuple[Workload, Network]:
+    """The cost model's inputs from the flags: compute from 6 x P x tokens FLOPs per step.
+
+    bf16 as ``parallelize`` runs it: parameters all-gathered in bf16 (2 bytes), gradients
+    reduced in float32 (``reduce_dtype=torch.float32``: 4 bytes, HSDP's all-reduce too).
+    """
     tokens = args.batch_size * args.seq_len
-    compute = 6 * params * tokens / (args.gpu_tflops * 1e12 * args.mfu)
-    nbytes = 2 if args.bf16 else 4
     w = Workload(
         params=params,
-        compute_s=compute,
+        compute_s=6 * params * tokens / (args.gpu_tflops * 1e12 * args.mfu),
         tokens_per_step=tokens,
-        param_bytes=nbytes,
-        grad_bytes=nbytes,
+        param_bytes=2 if args.bf16 else 4,
+        grad_bytes=4,
+        compression=args.compression,
     )
-    nodes = args.gpus // args.gpus_per_node
     net = Network(
         ranks_per_node=args.gpus_per_node,
-        nodes_per_site=args.nodes_per_site or nodes,
+        nodes_per_site=args.nodes_per_site or args.gpus // args.gpus_per_node,
         intra_node_bw=args.intra_node_gbps * 1e9 / 8,
         inter_node_bw=args.inter_node_gbps * 1e9 / 8,
         inter_site_bw=args.inter_site_gbps * 1e9 / 8,
-        site_link_shared=args.site_link == "shared",
+        site_link_shared=args.site_link == SHARED,
     )
-    cands = candidates(w, net, args.gpus, max_local_steps=args.max_local_steps)
-    print(
-        f"{args.model}: {params / 1e9:.2f}B parameters, {args.gpus} GPUs "
-        f"({args.gpus_per_node} per node, {net.nodes_per_site} nodes per site), "
-        f"compute {compute * 1e3:.0f} ms per step"
-    )
-    print(format_table(cands, args.top))
-    best = next((c for c in cands if c.layout.groups > 1), cands[0])
-    lay = best.layout
-    print(
-        f"recommended: {best.sharding.upper()} groups, G={lay.groups} K={lay.group_size}"
-        f"{f' R={lay.replicate}' if best.sharding == 'hsdp' else ''} T={lay.local_steps}: "
-        f"{best.prediction.tokens_per_s:,.0f} tokens/s, {best.speedup:.2f}x over "
-        f"{best.sharding.upper()} on all {args.gpus} GPUs, communication "
-        f"{100 * best.prediction.comm_share:.0f}% of a step, inter-group "
-        f"{100 * best.prediction.inter_byte_share:.2f}% of the bytes"
-    )
-    return 0
+    return w, net

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from flower_shard.errors import CheckpointError
+
+_log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 PREFIX = "round_"
@@ -128,7 +131,7 @@ def good_rounds(
     *,
     at_most: int | None = None,
     accept: Callable[[int], bool] = lambda _rnd: True,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = _log.warning,
 ) -> Iterator[int]:
     """Rounds under ``root`` whose checkpoint verifies (and that ``accept`` takes), newest
     first, verified lazily; each refused one is logged with its reason."""
@@ -147,7 +150,7 @@ def latest_good(
     *,
     at_most: int | None = None,
     accept: Callable[[int], bool] = lambda _rnd: True,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = _log.warning,
 ) -> tuple[int, Path] | None:
     """The newest checkpoint under ``root`` that verifies (and that ``accept`` takes).
 

@@ -35,7 +35,9 @@ import math
 
 import torch
 
-KINDS = ("none", "bf16", "int8")
+from flower_shard.config.choices import BF16, COMPRESSIONS, INT8, NO_COMPRESSION
+
+KINDS = COMPRESSIONS  # none, bf16, int8
 INT8_MAX = 127
 
 # Names of the arrays of a compressed payload (Flower ArrayRecord keys).
@@ -49,11 +51,11 @@ def num_chunks(numel: int, chunk: int) -> int:
 
 def spec(kind: str, numel: int, chunk: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of the payload of ``numel`` values: what a receiver expects."""
-    if kind == "none":
+    if kind == NO_COMPRESSION:
         return {DATA: ((numel,), torch.float32)}
-    if kind == "bf16":
+    if kind == BF16:
         return {DATA: ((numel,), torch.int16)}
-    if kind == "int8":
+    if kind == INT8:
         return {DATA: ((numel,), torch.int8), SCALES: ((num_chunks(numel, chunk),), torch.float32)}
     raise ValueError(f"compression {kind!r} is unknown; choose one of {', '.join(KINDS)}")
 
@@ -69,11 +71,11 @@ def payload_bytes(kind: str, numel: int, chunk: int) -> int:
 def compress(values: torch.Tensor, kind: str, chunk: int) -> dict[str, torch.Tensor]:
     """Encode a flat float32 tensor; see the module docstring for the formats."""
     values = values.reshape(-1).float()
-    if kind == "none":
+    if kind == NO_COMPRESSION:
         return {DATA: values.clone()}
-    if kind == "bf16":
+    if kind == BF16:
         return {DATA: values.to(torch.bfloat16).view(torch.int16)}
-    if kind != "int8":
+    if kind != INT8:
         spec(kind, 0, chunk)  # raises the one-line error
     n = values.numel()
     padded = torch.zeros(num_chunks(n, chunk) * chunk, dtype=torch.float32, device=values.device)
@@ -89,9 +91,9 @@ def compress(values: torch.Tensor, kind: str, chunk: int) -> dict[str, torch.Ten
 def decompress(payload: dict[str, torch.Tensor], kind: str, chunk: int) -> torch.Tensor:
     """The flat float32 tensor that a payload stands for."""
     data = payload[DATA]
-    if kind == "none":
+    if kind == NO_COMPRESSION:
         return data.float()
-    if kind == "bf16":
+    if kind == BF16:
         return data.view(torch.bfloat16).float()
     n = data.numel()
     padded = torch.zeros(num_chunks(n, chunk) * chunk, dtype=torch.float32, device=data.device)
@@ -113,7 +115,7 @@ def check_payload(payload: dict, kind: str, numel: int, chunk: int) -> str | Non
                 f"{name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype} "
                 f"(compression {kind})"
             )
-    if kind == "int8":
+    if kind == INT8:
         scales = payload[SCALES]
         if not torch.isfinite(scales).all() or (scales < 0).any():
             return f"{SCALES} has non-finite or negative values"
@@ -156,7 +158,7 @@ class ErrorFeedback:
 
     def __init__(self, kind: str, chunk: int, numel: int, enabled: bool = True, device=None):
         spec(kind, numel, chunk)  # fail on an unknown kind now, not at the first round
-        self.kind, self.chunk, self.enabled = kind, chunk, enabled and kind != "none"
+        self.kind, self.chunk, self.enabled = kind, chunk, enabled and kind != NO_COMPRESSION
         self.residual = torch.zeros(numel if self.enabled else 0, device=device)
 
     @torch.no_grad()

@@ -7,15 +7,18 @@ import os
 import torch
 import torch.distributed as dist
 
+from flower_shard.config.choices import AUTO, CUDA
+from flower_shard.threads import threads_per_rank
 
-def pick_device(preference: str = "auto") -> torch.device:
+
+def pick_device(preference: str = AUTO) -> torch.device:
     """The device this rank computes on: ``cuda:LOCAL_RANK`` when asked or available, else CPU."""
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+    if preference == CUDA or (preference == AUTO and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def init_distributed(preference: str = "auto") -> torch.device:
+def init_distributed(preference: str = AUTO) -> torch.device:
     """Join the torch world started by torchrun and return this rank's device.
 
     On CPU each rank gets cores / local ranks threads, since the ranks of a host share its cores
@@ -26,8 +29,7 @@ def init_distributed(preference: str = "auto") -> torch.device:
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
@@ -48,3 +50,10 @@ def shutdown(clean: bool = False) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def world_sum(value, device: torch.device) -> float:
+    """Sum a scalar (a number or a one-element tensor) over the whole world, in float64."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t)
+    return t.item()

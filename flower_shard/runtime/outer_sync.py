@@ -1,7 +1,9 @@
 """The outer synchronisation between groups, once per round (every T inner steps).
 
-The math lives in :class:`OuterOptimizer`, which works on one flat float32 tensor: the same code
-runs on a rank's local shards here and on full arrays on a Flower server.
+:class:`OuterSync` moves this rank's shards between the groups; the math of the outer step
+lives in :class:`~flower_shard.runtime.outer_optimizer.OuterOptimizer`. :func:`build_outer_sync`
+is the one place where a run's settings become an ``OuterSync`` (both drivers use it); what
+makes a sync all-or-nothing for a group is :func:`flower_shard.runtime.commit.sync_or_rollback`.
 """
 
 from __future__ import annotations
@@ -13,118 +15,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flower_shard.config import TrainConfig
+from flower_shard.config.choices import FEDAVG, NESTEROV, NO_COMPRESSION
 from flower_shard.runtime import compression as Z
+from flower_shard.runtime.outer_optimizer import OuterOptimizer, pseudo_gradient
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a (maybe sharded) tensor that this rank holds, as a view: writes go through."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def pseudo_gradient(global_weights: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """DiLoCo's outer gradient: how far the groups' mean moved from the last global weights."""
-    return global_weights - mean
-
-
-class OuterOptimizer:
-    """Turns the groups' average into the next global weights.
-
-    ``fedavg``: the average replaces the weights (no state).
-
-    ``nesterov`` (DiLoCo): keeps the last global weights ``w``; with the groups' mean ``m``,
-    the pseudo-gradient ``w - m`` is fed to ``torch.optim.SGD(lr, momentum, nesterov=True)``
-    stepping ``w``. With lr 1 and momentum 0 it reduces to fedavg (up to rounding).
-
-    Parameters
-    ----------
-    initial
-        Flat float32 tensor of the weights at the start (the first global weights). Copied.
-    kind
-        ``fedavg`` or ``nesterov``.
-    lr, momentum
-        Outer learning rate and momentum (nesterov only).
-    track_weights
-        fedavg: keep the global weights too, so that :meth:`apply` can take a pseudo-gradient
-        (nesterov always keeps them).
-    """
-
-    def __init__(
-        self,
-        initial: torch.Tensor,
-        kind: str = "fedavg",
-        lr: float = 0.7,
-        momentum: float = 0.9,
-        track_weights: bool = False,
-    ):
-        if kind not in ("fedavg", "nesterov"):
-            raise ValueError(f"outer optimizer {kind!r} is unknown; choose fedavg or nesterov")
-        self.kind = kind
-        self._sgd = None
-        self.weights = None
-        if kind == "nesterov":
-            self.weights = nn.Parameter(initial.detach().clone().float())
-            # torch refuses nesterov without momentum; momentum 0 is plain SGD (the same update).
-            self._sgd = torch.optim.SGD(
-                [self.weights], lr=lr, momentum=momentum, nesterov=momentum > 0
-            )
-        elif track_weights:  # fedavg from pseudo-gradients needs the last global weights
-            self.weights = initial.detach().clone().float()
-
-    def step(self, mean: torch.Tensor) -> torch.Tensor:
-        """Return the new global weights given the groups' mean (a flat tensor, not modified)."""
-        if self._sgd is None:
-            if self.weights is not None:
-                self.weights.copy_(mean)
-            return mean
-        return self.apply(pseudo_gradient(self.weights.detach(), mean))
-
-    @torch.no_grad()
-    def apply(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
-        """Return the new global weights given the groups' mean pseudo-gradient ``w - mean``
-        (what a compressed exchange delivers); needs the tracked weights.
-
-        fedavg: ``w - pseudo_grad``; nesterov: an SGD step with ``pseudo_grad`` as gradient.
-        """
-        if self.weights is None:
-            raise RuntimeError("OuterOptimizer(track_weights=True) is needed to apply deltas")
-        if self._sgd is None:
-            self.weights.sub_(pseudo_grad)
-            return self.weights
-        self.weights.grad = pseudo_grad
-        self._sgd.step()
-        self.weights.grad = None
-        return self.weights.detach()
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The flat state tensors themselves (global weights, nesterov's momentum), to load in
-        place; empty for fedavg without tracked weights.
-
-        Before the first step the momentum is created as zeros, which gives the same first
-        update as torch's lazily created buffer (a copy of the first gradient).
-        """
-        if self.weights is None:
-            return {}
-        if self._sgd is None:
-            return {"weights": self.weights}
-        state = self._sgd.state[self.weights]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(self.weights.data)
-        return {"weights": self.weights.data, "momentum": state["momentum_buffer"]}
-
-    def state_dict(self) -> dict:
-        if self.weights is None:
-            return {}
-        out = {"weights": self.weights.detach().clone()}
-        if self._sgd is not None:
-            out["sgd"] = self._sgd.state_dict()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.weights is not None:
-            with torch.no_grad():
-                self.weights.copy_(state["weights"])
-        if self._sgd is not None:
-            self._sgd.load_state_dict(state["sgd"])
 
 
 @dataclass
@@ -169,8 +68,11 @@ class OuterSync:
     |model|, spread over all of its R x S ranks. (Compressed syncs are not striped.)
 
     On failure: a dead or hung peer makes the all-reduce raise after the process group's
-    timeout; the exception propagates and the round is lost (the weights are untouched until
-    the all-reduce has returned).
+    timeout and the exception propagates. This rank's weights are untouched until its
+    all-reduce has returned, but each rank syncs only its own shard, so another rank of the
+    same group may already have stepped: :meth:`snapshot` and :meth:`restore` cover everything
+    a sync changes, and :func:`flower_shard.runtime.commit.sync_or_rollback` uses them to make
+    the sync all-or-nothing for the group. Inside one torch job a failure ends the job.
     """
 
     def __init__(
@@ -178,11 +80,11 @@ class OuterSync:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         group_pg=None,
-        kind: str = "fedavg",
+        kind: str = FEDAVG,
         lr: float = 0.7,
         momentum: float = 0.9,
         sync_optimizer_state: bool = False,
-        compression: str = "none",
+        compression: str = NO_COMPRESSION,
         chunk: int = 2048,
         error_feedback: bool = True,
         replicate_pg=None,
@@ -195,11 +97,11 @@ class OuterSync:
         self.sync_optimizer_state = sync_optimizer_state
         self.param_numel = sum(t.numel() for t in self.params)
         self.compression, self.chunk = compression, chunk
-        compressed = compression != "none"
+        compressed = compression != NO_COMPRESSION
         if compressed and sync_optimizer_state:
             raise ValueError("compression does not cover the optimizer state; drop one of them")
         with torch.no_grad():
-            keep = kind == "nesterov" or compressed
+            keep = kind == NESTEROV or compressed
             initial = _flatten(self.params) if keep else torch.empty(0)
         self.outer = OuterOptimizer(initial, kind, lr, momentum, track_weights=compressed)
         self.feedback = None
@@ -370,6 +272,42 @@ class OuterSync:
                     )
                 out[f"{name}.{key}"] = piece
         return out
+
+
+def build_outer_sync(
+    cfg: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    group_pg=None,
+    replicate_pg=None,
+) -> OuterSync:
+    """The outer sync of a run's settings, for ``model`` and its inner ``optimizer``.
+
+    Parameters
+    ----------
+    cfg
+        The run: outer optimizer, its LR and momentum, optimizer-state sync, compression.
+    group_pg
+        The process group across groups when it is fixed for the run (one torch job: the mesh's
+        ``group`` dimension); None when every sync gets its own (a Flower group:
+        :class:`~flower_shard.runtime.cross_group.CrossGroup`).
+    replicate_pg
+        HSDP: the process group of this rank's replicas inside its group (striped exchange).
+    """
+    return OuterSync(
+        model,
+        optimizer,
+        group_pg,
+        kind=cfg.outer,
+        lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum,
+        sync_optimizer_state=cfg.sync_optimizer_state,
+        compression=cfg.compression,
+        chunk=cfg.compression_chunk,
+        error_feedback=cfg.error_feedback,
+        replicate_pg=replicate_pg,
+    )
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -29,8 +29,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from flower_shard.config import ConfigError, TrainConfig
-from flower_shard.flower.node.launcher import add_node_flags
+from flower_shard import logs
+from flower_shard.config import choices as C
+from flower_shard.config.choices import choices_of
+from flower_shard.config.train import TrainConfig
+from flower_shard.errors import ConfigError
+
+# Each subcommand's flags come from a module that is light to import (no torch, numpy, rich,
+# cryptography or flwr: a test checks); what a subcommand runs is imported when it runs.
+from flower_shard.flower.node.config import add_node_flags
 from flower_shard.planning.planner import add_plan_flags
 from flower_shard.ux.demo import add_demo_flags
 from flower_shard.ux.export import add_export_flags
@@ -59,6 +66,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """One flag per :class:`TrainConfig` field, its docstring as help, its choices if any."""
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -72,20 +80,52 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> 
                 default=default,
                 help=help_,
             )
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                type=kind,
-                default=default,
-                metavar=f.name.upper(),
-                help=f"{help_} (default: {default})",
-            )
+            continue
+        choices = choices_of(f)
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type={"int": int, "float": float}.get(str(f.type), str),
+            default=default,
+            choices=choices,
+            metavar=None if choices else f.name.upper(),
+            help=f"{help_} (default: {default})",
+        )
+
+
+def add_log_level(parser: argparse.ArgumentParser, default=None) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=logs.LEVELS,
+        default=default,
+        help=f"verbosity of this command and of the processes it starts (default: "
+        f"${logs.LEVEL_ENV}, else {logs.DEFAULT_LEVEL})",
+    )
+
+
+# (name, help, the function that adds its flags)
+SUBCOMMANDS = (
+    ("node", "run one Flower client: a torchrun group plus flower-supernode", add_node_flags),
+    (
+        "demo",
+        "a local Flower deployment (SuperLink, G nodes of K ranks) running FL+FSDP",
+        add_demo_flags,
+    ),
+    ("plan", "rank (G, K, T, sharding) layouts for a cluster with the cost model", add_plan_flags),
+    ("report", "plots and a summary table (report.md) from runs' metrics.jsonl", add_report_flags),
+    (
+        "export",
+        "save a finished run's final model (and tokenizer) with transformers' save_pretrained",
+        add_export_flags,
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``flower-shard [--log-level L] COMMAND [--log-level L] ...``: the level is taken before
+    or after the command."""
     parser = _Parser(prog="flower-shard", description=__doc__.split("\n\n")[0])
+    add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     text = "train FL+FSDP / FL+HSDP (or the G=1 baseline) in one torch job on this host"
@@ -103,21 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the configuration and print the torchrun command; start nothing",
     )
-
-    text = "run one Flower client: a torchrun group plus flower-supernode"
-    add_node_flags(sub.add_parser("node", help=text, description=text))
-
-    text = "a local Flower deployment (SuperLink, G nodes of K ranks) running FL+FSDP"
-    add_demo_flags(sub.add_parser("demo", help=text, description=text))
-
-    text = "rank (G, K, T, sharding) layouts for a cluster with the cost model"
-    add_plan_flags(sub.add_parser("plan", help=text, description=text))
-
-    text = "plots and a summary table (report.md) from runs' metrics.jsonl"
-    add_report_flags(sub.add_parser("report", help=text, description=text))
-
-    text = "save a finished run's final model (and tokenizer) with transformers' save_pretrained"
-    add_export_flags(sub.add_parser("export", help=text, description=text))
+    add_log_level(p, argparse.SUPPRESS)  # SUPPRESS: a level given before the command stays
+    for name, text, add_flags in SUBCOMMANDS:
+        p = sub.add_parser(name, help=text, description=text)
+        add_flags(p)
+        add_log_level(p, argparse.SUPPRESS)
     return parser
 
 
@@ -126,46 +156,59 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
+def train_from_args(args: argparse.Namespace) -> int:
+    """``flower-shard train``: check, prepare and launch this host's ranks (or, with
+    ``--dry-run``, print the torchrun command)."""
+    from flower_shard import runfiles
+    from flower_shard.launch.torchrun import launch_train, torchrun_command
+    from flower_shard.preflight import check
+
+    cfg = config_from_args(args)
+    if not args.dry_run:
+        return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    # The command may be meant for another host: CUDA need not be present here.
+    check(dataclasses.replace(cfg, device=C.AUTO))
+    cmd = torchrun_command(
+        cfg,
+        Path(cfg.out, runfiles.CONFIG_FILE),
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+    )
+    print(shlex.join(cmd))
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Import and run the subcommand ``args.command``."""
+    if args.command == "node":
+        from flower_shard.flower.node.config import node_config_from_args
+        from flower_shard.flower.node.launcher import run_node
+
+        return run_node(node_config_from_args(args))
+    if args.command == "plan":
+        from flower_shard.planning.planner import plan_from_args
+
+        return plan_from_args(args)
+    if args.command == "demo":
+        from flower_shard.ux.demo import demo_from_args
+
+        return demo_from_args(args)
+    if args.command == "report":
+        from flower_shard.ux.report import report_from_args
+
+        return report_from_args(args)
+    if args.command == "export":
+        from flower_shard.ux.export import export_from_args
+
+        return export_from_args(args)
+    return train_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup(args.log_level, prefix=f"flower-shard {args.command}")
     try:
-        if args.command == "node":
-            from flower_shard.flower.node.launcher import node_config_from_args, run_node
-
-            return run_node(node_config_from_args(args))
-        if args.command == "plan":
-            from flower_shard.planning.planner import plan_from_args
-
-            return plan_from_args(args)
-        if args.command == "demo":
-            from flower_shard.ux.demo import demo_from_args
-
-            return demo_from_args(args)
-        if args.command == "report":
-            from flower_shard.ux.report import report_from_args
-
-            return report_from_args(args)
-        if args.command == "export":
-            from flower_shard.ux.export import export_from_args
-
-            return export_from_args(args)
-        from flower_shard import runfiles
-        from flower_shard.launch.torchrun import launch_train, torchrun_command
-        from flower_shard.preflight import check
-
-        cfg = config_from_args(args)
-        if args.dry_run:
-            # The command may be meant for another host: CUDA need not be present here.
-            check(dataclasses.replace(cfg, device="auto"))
-            cmd = torchrun_command(
-                cfg,
-                Path(cfg.out, runfiles.CONFIG_FILE),
-                node_rank=args.node_rank,
-                rdzv_endpoint=args.rdzv_endpoint,
-            )
-            print(shlex.join(cmd))
-            return 0
-        return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+        return run_command(args)
     except ConfigError as exc:
         print(f"flower-shard: error: {exc}", file=sys.stderr)
         return 2

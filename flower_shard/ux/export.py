@@ -22,8 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from flower_shard import protocol as P
 from flower_shard import runfiles as F
-from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config.train import TrainConfig
+from flower_shard.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -69,18 +71,18 @@ def run_model(
             info = json.loads(summary.read_text())
         except json.JSONDecodeError:
             info = None
-        if not isinstance(info, dict) or info.get("status") != "ok":
+        if not isinstance(info, dict) or info.get(P.S_STATUS) != P.STATUS_OK:
             raise ConfigError(
                 f"RUN_DIR {run_dir}: {F.SUMMARY_FILE} does not say the run finished (status "
-                f"{info.get('status') if isinstance(info, dict) else 'unreadable'}); export a "
+                f"{info.get(P.S_STATUS) if isinstance(info, dict) else 'unreadable'}); export a "
                 "run that completed"
             )
-        if "model" not in info and model is None:
+        if P.S_MODEL not in info and model is None:
             raise ConfigError(
                 f"RUN_DIR {run_dir}: {F.SUMMARY_FILE} does not record the model (an older "
                 "ServerApp); pass --model (and --tokenizer) as the run had them"
             )
-        recorded = info.get("model"), info.get("tokenizer"), info.get("seq_len")
+        recorded = info.get(P.S_MODEL), info.get(P.S_TOKENIZER), info.get(P.S_SEQ_LEN)
     elif config.is_file():
         cfg = TrainConfig.from_json(config)
         recorded = cfg.model, cfg.tokenizer, cfg.seq_len
@@ -95,8 +97,10 @@ def run_model(
             f"RUN_DIR {run_dir}: no {F.FINAL_MODEL}; a train run writes it when it finishes, a "
             "Flower run only with transport='flower': rerun to completion"
         )
-    corpus = run / "data" / "corpus.json"
-    eos = json.loads(corpus.read_text()).get("eos_id") if corpus.is_file() else None
+    from flower_shard.data.corpus import CorpusInfo  # numpy: not at CLI start
+
+    corpus = run / F.DATA_DIR
+    eos = CorpusInfo.load(corpus).eos_id if (corpus / F.CORPUS_META).is_file() else None
     return RunModel(weights, model or recorded[0], tokenizer or recorded[1], recorded[2], eos)
 
 
@@ -154,17 +158,9 @@ def export_pretrained(
     ConfigError
         The weights do not fit the model (missing, unexpected or mis-shaped tensors).
     """
-    import torch
-
     from flower_shard.config.presets import is_preset
 
-    source = state_dict_or_safetensors_path
-    if isinstance(source, (str, os.PathLike)):
-        from safetensors.torch import load_file
-
-        state = load_file(str(source))
-    else:
-        state = {k: torch.as_tensor(v) for k, v in source.items()}
+    state = _load_state(state_dict_or_safetensors_path)
     model = _skeleton(model_spec, state, seq_len)
     try:
         model.load_state_dict(state, strict=True)
@@ -175,12 +171,7 @@ def export_pretrained(
             "model the run trained"
         ) from None
     if is_preset(model_spec):
-        # Training switched the KV cache off; whoever generates with the export wants it.
-        model.config.use_cache = True
-        if eos_id is not None:
-            model.config.eos_token_id = eos_id
-            if model.generation_config is not None:
-                model.generation_config.eos_token_id = eos_id
+        _ready_to_generate(model.config, model.generation_config, eos_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # safetensors: the only format transformers 5 writes
@@ -191,6 +182,28 @@ def export_pretrained(
             out
         )
     return out
+
+
+def _load_state(source: Mapping | str | os.PathLike) -> dict:
+    """Tensors from a safetensors file, or from a state dict of tensors or arrays."""
+    import torch
+
+    if isinstance(source, (str, os.PathLike)):
+        from safetensors.torch import load_file
+
+        return load_file(str(source))
+    return {k: torch.as_tensor(v) for k, v in source.items()}
+
+
+def _ready_to_generate(config, generation_config, eos_id: int | None) -> None:
+    """A preset's config as whoever generates with the export wants it: the KV cache on
+    (training switched it off) and the corpus's end-of-document id (its Llama default means
+    nothing to the run's tokenizer)."""
+    config.use_cache = True
+    if eos_id is not None:
+        config.eos_token_id = eos_id
+        if generation_config is not None:
+            generation_config.eos_token_id = eos_id
 
 
 def add_export_flags(parser: argparse.ArgumentParser) -> None:

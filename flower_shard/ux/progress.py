@@ -8,7 +8,8 @@ Anywhere else (a pipe, a log file, CI, pytest's capture) it prints
 parse those lines.
 
 The display starts no thread: rich's auto-refresh thread is off and the bar is redrawn when a
-step or a round ends, so nothing can keep the process alive or draw after :meth:`close`.
+step or a round ends, so nothing can keep the process alive or draw after :meth:`close`. rich
+is imported only where a live display or a table is drawn: ranks and piped runs never load it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
-
-from rich import box
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from flower_shard import protocol as P
 from flower_shard.ux.formatting import format_round, human_bytes, number
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
 
 STEP_REFRESH_S = 0.1
 """Redraw the bar at most this often on steps (a tiny model runs hundreds of steps a second)."""
@@ -108,6 +110,9 @@ def format_table(records: list[dict], total_rounds: int = 0) -> Table:
     rich.table.Table
         Print it with a rich ``Console``.
     """
+    from rich import box
+    from rich.table import Table
+
     shown = [(header, cell) for header, cell, present in _COLUMNS if present(records)]
     done = f"{len(records)}/{total_rounds}" if total_rounds else str(len(records))
     table = Table(
@@ -141,27 +146,42 @@ class RoundDisplay:
         self.total_steps = total_steps
         self.records: list[dict] = []
         self.live = console is not None or is_interactive(sys.stdout)
-        self.console = console or (Console() if self.live else None)
+        self.console = console
         self._progress: Progress | None = None
         self._steps = None
         self._drawn = 0.0
         if self.live:
-            self._progress = Progress(
-                TextColumn("{task.description:>6}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[last]}"),
-                console=self.console,
-                auto_refresh=False,  # no refresh thread: redrawn on each step and round
-            )
-            self._rounds = self._progress.add_task("rounds", total=total_rounds or None, last="")
-            if total_steps:
-                self._steps = self._progress.add_task("steps", total=total_steps, last="")
-            self._progress.start()
-            # rich hides the cursor while live; a rank that torchrun stops with SIGTERM runs no
-            # `finally`, and would leave the user's terminal without one.
-            self.console.show_cursor(True)
+            self._start()
+
+    def _start(self) -> None:
+        """Start the live bars (rounds, and steps when counted) on the console."""
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = self.console or Console()
+        self._progress = Progress(
+            TextColumn("{task.description:>6}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[last]}"),
+            console=self.console,
+            auto_refresh=False,  # no refresh thread: redrawn on each step and round
+        )
+        total = self.total_rounds or None
+        self._rounds = self._progress.add_task("rounds", total=total, last="")
+        if self.total_steps:
+            self._steps = self._progress.add_task("steps", total=self.total_steps, last="")
+        self._progress.start()
+        # rich hides the cursor while live; a rank that torchrun stops with SIGTERM runs no
+        # `finally`, and would leave the user's terminal without one.
+        self.console.show_cursor(True)
 
     def step(self, step: int) -> None:
         """Inner step ``step`` of the run (counted from its start, as metrics' ``step``) is done."""

@@ -14,10 +14,10 @@ from torch.distributed.fsdp import fully_shard
 
 from flower_shard.config import TrainConfig
 from flower_shard.data.batches import rank_batches
+from flower_shard.runtime.evaluation import lm_loss
 from flower_shard.runtime.models import build_model
 from flower_shard.runtime.schedule import warmup_cosine
-from flower_shard.runtime.evaluation import lm_loss
-from flower_shard.runtime.trainer import GroupTrainer
+from flower_shard.runtime.trainer import build_job_trainer
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)
@@ -33,11 +33,13 @@ def world_mean(loss: torch.Tensor) -> float:
 
 
 def make_optimizer(params):
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+    )
     warmup = int(cfg.warmup_frac * steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, steps, warmup, cfg.min_lr_ratio))
+        opt, lambda s: warmup_cosine(s, steps, warmup, cfg.min_lr_ratio)
+    )
     return opt, sched
 
 
@@ -46,14 +48,14 @@ def batches_of(rank):
 
 
 # 1. The runtime with G = 1.
-trainer = GroupTrainer(cfg, data_dir)
-rank = trainer.rank
-runtime_losses = [world_mean(trainer.train_step(*next(trainer.batches))) for _ in range(steps)]
+trainer = build_job_trainer(cfg, data_dir)
+rank = trainer.place.rank
+runtime_losses = [world_mean(trainer.train_step(*next(trainer.data.batches))) for _ in range(steps)]
 runtime_final = full_state(trainer.model)
 
 # 2. Plain FSDP2 written out by hand: each block, then the root, over a 1-D mesh of all ranks.
 mesh = init_device_mesh("cpu", (n,))
-model = build_model(cfg.model, trainer.corpus.vocab_size, cfg.seed, cfg.seq_len)
+model = build_model(cfg.model, trainer.data.corpus.vocab_size, cfg.seed, cfg.seq_len)
 for block in model.model.layers:
     fully_shard(block, mesh=mesh)
 fully_shard(model, mesh=mesh)
@@ -73,7 +75,7 @@ plain_final = full_state(model)
 
 # 3. One process, the N ranks' batches concatenated into one global batch.
 if rank == 0:
-    single = build_model(cfg.model, trainer.corpus.vocab_size, cfg.seed, cfg.seq_len)
+    single = build_model(cfg.model, trainer.data.corpus.vocab_size, cfg.seed, cfg.seq_len)
     opt, sched = make_optimizer(single.parameters())
     iters = [batches_of(r) for r in range(n)]
     single_losses = []
@@ -86,8 +88,15 @@ if rank == 0:
         sched.step()
         opt.zero_grad()
         single_losses.append(loss.item())
-    torch.save({"runtime": runtime_losses, "plain": plain_losses, "single": single_losses,
-                "runtime_final": runtime_final, "plain_final": plain_final,
-                "single_final": {k: v.detach() for k, v in single.named_parameters()}},
-               f"{out}/baseline.pt")
+    torch.save(
+        {
+            "runtime": runtime_losses,
+            "plain": plain_losses,
+            "single": single_losses,
+            "runtime_final": runtime_final,
+            "plain_final": plain_final,
+            "single_final": {k: v.detach() for k, v in single.named_parameters()},
+        },
+        f"{out}/baseline.pt",
+    )
 trainer.close()

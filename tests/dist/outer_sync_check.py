@@ -14,17 +14,17 @@ from common import full_moments, full_state, save_from_group_leader
 from flower_shard.config import TrainConfig
 from flower_shard.runtime.models import build_model, materialize
 from flower_shard.runtime.parallelize import parallelize
-from flower_shard.runtime.trainer import GroupTrainer
+from flower_shard.runtime.trainer import build_job_trainer
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)
-trainer = GroupTrainer(cfg, data_dir)
-k = trainer.topology.group_size
-g = trainer.group
+trainer = build_job_trainer(cfg, data_dir)
+k = trainer.place.group_size
+g = trainer.place.group
 save_from_group_leader(full_state(trainer.model), f"{out}/init_g{g}.pt", k)
 for r in range(cfg.rounds):
     for _ in range(cfg.local_steps):
-        x, y = next(trainer.batches)
+        x, y = next(trainer.data.batches)
         trainer.train_step(x, y)
     pre = full_state(trainer.model)
     if cfg.sync_optimizer_state:
@@ -37,7 +37,7 @@ for r in range(cfg.rounds):
     post["_payload_bytes"] = torch.tensor(stats.payload_bytes)
     post["_sent_bytes"] = torch.tensor(stats.sent_bytes)
     post["_replicate_bytes"] = torch.tensor(stats.replicate_bytes)
-    replicas = trainer.topology.replicate_group(trainer.mesh)
+    replicas = trainer.place.replicate_pg()
     if replicas is not None:  # HSDP: every replica of a shard holds it bit-identically
         mine = torch.cat([p.to_local().reshape(-1) for p in trainer.model.parameters()])
         copies = [torch.empty_like(mine) for _ in range(replicas.size())]
@@ -47,12 +47,12 @@ for r in range(cfg.rounds):
         post["_replicas_agree"] = agree
     save_from_group_leader(post, f"{out}/post_r{r}_g{g}.pt", k)
 
-meta = build_model(cfg.model, trainer.corpus.vocab_size, seed=7, meta=True)
-parallelize(meta, trainer.topology.sharding_mesh(trainer.mesh))
+meta = build_model(cfg.model, trainer.data.corpus.vocab_size, seed=7, meta=True)
+parallelize(meta, trainer.place.sharding_mesh())
 materialize(meta, trainer.device, seed=7)
 state = full_state(meta)
 state["_inv_freq"] = meta.model.rotary_emb.inv_freq.clone()
-x, y = next(trainer.batches)
+x, y = next(trainer.data.batches)
 state["_loss"] = torch.nn.functional.cross_entropy(
     meta(input_ids=x).logits.reshape(-1, meta.config.vocab_size), y.reshape(-1)
 ).detach()

@@ -7,14 +7,16 @@ saves the loaded state under OUT_ROOT/group_G; the test compares the two checkpo
 
 import sys
 
-from flower_shard.runtime import checkpoint as C
 from flower_shard.config import TrainConfig
-from flower_shard.runtime.trainer import GroupTrainer
+from flower_shard.runtime import checkpoint as C
+from flower_shard.runtime.group_checkpoint import checkpoint_root
+from flower_shard.runtime.trainer import build_job_trainer
 
 cfg_path, data_dir, run_dir, rnd, out_root = sys.argv[1:6]
-trainer = GroupTrainer(TrainConfig.from_json(cfg_path), data_dir)
-source = C.round_dir(trainer.checkpoint_root(run_dir), int(rnd))
+trainer = build_job_trainer(TrainConfig.from_json(cfg_path), data_dir)
+group = trainer.place.group
+source = C.round_dir(checkpoint_root(run_dir, group), int(rnd))
 assert C.verify(source) is None, C.verify(source)
-loaded = trainer.load_checkpoint(source, trainer.outer)
-trainer.save_checkpoint(trainer.checkpoint_root(out_root), loaded, trainer.outer)
+loaded = trainer.checkpointer.load(source)
+trainer.checkpointer.save(checkpoint_root(out_root, group), loaded.round)
 trainer.close(clean=True)

@@ -22,12 +22,17 @@ Three costs of a Flower 1.42 round that are not training, removed here:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess as _subprocess
 import sys
 import threading
 import time as _time
+
+from flower_shard import logs
+
+logger = logging.getLogger(__name__)
 
 POLL_ENV = "FLOWER_SHARD_SUPERNODE_POLL"
 PULL_ENV = "FLOWER_SHARD_PULL_BACKOFF"
@@ -79,20 +84,17 @@ class _WarmSuperExec:
             code = proc.wait()
             early = early + 1 if _time.monotonic() - started < cls.EARLY_EXIT_S else 0
             if early >= cls.CRASH_LOOP:
-                print(
-                    f"flower-shard supernode: the SuperExec exited with {code} within "
-                    f"{cls.EARLY_EXIT_S:.0f} s of starting, {early} times in a row (see its "
-                    "error above): stopping this SuperNode",
-                    file=sys.stderr,
-                    flush=True,
+                logger.error(
+                    "the SuperExec exited with %s within %.0f s of starting, %d times in a row "
+                    "(see its error above): stopping this SuperNode",
+                    code,
+                    cls.EARLY_EXIT_S,
+                    early,
                 )
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            print(
-                f"flower-shard supernode: the SuperExec (pid {proc.pid}) exited with {code}: "
-                "starting a new one",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "the SuperExec (pid %d) exited with %s: starting a new one", proc.pid, code
             )
             _time.sleep(0.5 * early)
             started = _time.monotonic()
@@ -116,6 +118,7 @@ def main() -> int:
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
+    logs.setup(prefix="flower-shard supernode")  # the level: the node's, from the environment
     loop.time = _CappedSleep(float(os.environ.get(POLL_ENV, "0.1")))
     fast_object_pulls()
     if os.environ.get(WARM_ENV, "1") != "0":

@@ -9,139 +9,22 @@ and ClientApp processes that Flower detaches) and exits.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-
 from flower_shard import protocol as P
-from flower_shard.config import ConfigError
-from flower_shard.flower.certificates import load_supernode_private_key, load_supernode_public_key
+from flower_shard import runfiles as F
 from flower_shard.flower.node import fast_supernode
+from flower_shard.flower.node.config import NodeConfig
 from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
-from flower_shard.preflight import check_data
+from flower_shard.threads import with_threads
 
-
-@dataclass
-class NodeConfig:
-    """Settings of one node (a group plus its SuperNode)."""
-
-    superlink: str = "127.0.0.1:8000"
-    """SuperLink address (HOST:PORT) the SuperNode connects to."""
-    nproc_per_group: int = 2
-    """K: ranks in this node's group."""
-    port: int | None = None
-    """The SuperNode's local API port (distinct per node on one host); None picks a free one."""
-    work_dir: str | None = None
-    """Where the group keeps its socket, data and logs; None makes a private temporary dir."""
-    data: str | None = None
-    """This node's directory of text files, or a .jsonl / .parquet file whose run-config
-    `text-column` holds the text (default: the standard library's source)."""
-    device: str = "auto"
-    """`cuda` (NCCL), `cpu` (gloo) or `auto`."""
-    root_certificates: str | None = None
-    """CA certificate (PEM) that signed a TLS SuperLink's certificate; None connects with
-    --insecure (no TLS)."""
-    auth_private_key: str | None = None
-    """SuperNode authentication: this node's private key (EC on a NIST curve, unencrypted OpenSSH
-    format, see flower_shard.flower.certificates.make_supernode_keys). Its public key must be
-    registered first (`flwr supernode register KEY.pub CONNECTION`). Needs root_certificates."""
-    auth_public_key: str | None = None
-    """Optional: the public key registered for this node. Flower 1.42 derives it from the
-    private key and no longer takes it; when given, it is checked to be the private key's pair
-    before anything starts."""
-    dump_dir: str | None = None
-    """Debug: the group writes its weights at each stage of each round here."""
-    poll_interval: float = 0.1
-    """The SuperNode's idle poll in seconds (Flower's own is 3 s; see fast_supernode)."""
-    warm_clientapp: bool = True
-    """Serve every message from one long-lived ClientApp process
-    (flower_shard.flower.node.warm_superexec) instead of Flower's fresh process per message, which
-    costs seconds of start-up per round. False: Flower's own process isolation between messages."""
-    fault_file: str | None = None
-    """Fault injection: the group spoils its replies as this file says (tests, drills)."""
-    ready_timeout: float = 180.0
-    """Seconds to wait for the group and the SuperNode to come up."""
-    max_restarts: int = 3
-    """Restart the group up to this many times when it dies (a rank killed, out of memory);
-    the SuperNode stays connected, so the group keeps its place and rejoins at the next round.
-    0: the node exits when its group dies."""
-
-    def validate(self) -> NodeConfig:
-        host, _, port = self.superlink.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
-        if self.nproc_per_group < 1:
-            raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if not 0 < self.poll_interval <= 3:
-            raise ConfigError(
-                f"--poll-interval must be in (0, 3] seconds, got {self.poll_interval}"
-            )
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.data is not None:
-            check_data(self.data)
-        for flag, path in (
-            ("--root-certificates", self.root_certificates),
-            ("--auth-supernode-private-key", self.auth_private_key),
-            ("--auth-supernode-public-key", self.auth_public_key),
-        ):
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(f"{flag} {path}: no such file")
-        self._validate_security()
-        return self
-
-    def _validate_security(self) -> None:
-        # Flower only reports these once the SuperNode runs (or as a traceback); checked here
-        # they fail in one line that names the flag, before the group starts.
-        if self.root_certificates is not None:
-            try:
-                x509.load_pem_x509_certificates(Path(self.root_certificates).read_bytes())
-            except ValueError:
-                raise ConfigError(
-                    f"--root-certificates {self.root_certificates}: not a PEM certificate "
-                    "(pass the CA file that signed the SuperLink's certificate)"
-                ) from None
-        if self.auth_public_key is not None and self.auth_private_key is None:
-            raise ConfigError(
-                "--auth-supernode-public-key needs --auth-supernode-private-key (the node "
-                "signs with the private key; the public key alone authenticates nothing)"
-            )
-        if self.auth_private_key is None:
-            return
-        if self.root_certificates is None:
-            raise ConfigError(
-                "SuperNode authentication needs both --auth-supernode-private-key and "
-                "--root-certificates CA: Flower authenticates SuperNodes only over TLS"
-            )
-        try:
-            key = load_supernode_private_key(self.auth_private_key)
-        except ValueError as exc:
-            raise ConfigError(
-                f"--auth-supernode-private-key {self.auth_private_key}: {exc}; make one with "
-                "flower_shard.flower.certificates.make_supernode_keys or ssh-keygen -t ecdsa -b 384"
-            ) from None
-        if self.auth_public_key is not None:
-            try:
-                public = load_supernode_public_key(self.auth_public_key)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"--auth-supernode-public-key {self.auth_public_key}: {exc}"
-                ) from None
-            if public.public_numbers() != key.public_key().public_numbers():
-                raise ConfigError(
-                    f"--auth-supernode-public-key {self.auth_public_key} is not the public key "
-                    f"of --auth-supernode-private-key {self.auth_private_key}: pass the pair "
-                    "(or leave the public key out; Flower derives it)"
-                )
+logger = logging.getLogger(__name__)
 
 
 def bin_path(name: str) -> str:
@@ -215,7 +98,7 @@ class Node:
         self.work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="flower-shard-node-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.work_dir, 0o700)  # the control socket is for this user only
-        self.address = f"unix:{self.work_dir / 'group.sock'}"
+        self.address = f"unix:{self.work_dir / F.GROUP_SOCKET}"
         self.port = cfg.port or free_port()
         self.group: ManagedProcess | None = None
         self.supernode: ManagedProcess | None = None
@@ -258,9 +141,8 @@ class Node:
             cmd += ["--dump-dir", self.cfg.dump_dir]
         if self.cfg.fault_file:
             cmd += ["--fault-file", self.cfg.fault_file]
-        env = env_with_bin()
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // k)))
-        self.group = ManagedProcess("group", cmd, self.work_dir / "group.log", env)
+        env = with_threads(env_with_bin(), k)
+        self.group = ManagedProcess("group", cmd, self.work_dir / F.GROUP_LOG, env)
 
     def wait_group(self) -> None:
         """Wait until the group's control service answers ``Health`` with ready."""
@@ -321,7 +203,7 @@ class Node:
         env[fast_supernode.POLL_ENV] = str(cfg.poll_interval)
         env[fast_supernode.WARM_ENV] = "1" if cfg.warm_clientapp else "0"
         self.supernode = ManagedProcess(
-            "supernode", cmd, self.work_dir / "supernode.log", env, cwd=self.work_dir
+            "supernode", cmd, self.work_dir / F.SUPERNODE_LOG, env, cwd=self.work_dir
         )
         deadline = time.monotonic() + cfg.ready_timeout
         while "SuperNode ID" not in self.supernode.tail(200):
@@ -339,7 +221,7 @@ class Node:
                 )
             time.sleep(0.2)
 
-    def supervise(self, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> str | None:
+    def supervise(self, log=logger.warning) -> str | None:
         """Restart a dead group (up to ``max_restarts`` times); say why the node cannot go on.
 
         Returns None while the node can serve. The restart does not wait for the new group:
@@ -355,7 +237,7 @@ class Node:
             return f"{self.dead()}\n(restarted {self.restarts} times already: giving up)"
         self.restarts += 1
         log(
-            f"flower-shard node: the group exited with {self.group.proc.returncode}; restart "
+            f"the group exited with {self.group.proc.returncode}; restart "
             f"{self.restarts}/{self.cfg.max_restarts}:\n{self.group.tail(5)}"
         )
         self.group.stop()
@@ -401,7 +283,7 @@ def run_node(cfg: NodeConfig) -> int:
         try:
             node.start()
         except (SuperNodeRefused, TimeoutError) as exc:
-            print(f"flower-shard node: error: {exc}", file=sys.stderr, flush=True)
+            logger.error("error: %s", exc)
             return 1
         print(
             f"flower-shard node: group of {cfg.nproc_per_group} at {node.address}, "
@@ -411,7 +293,7 @@ def run_node(cfg: NodeConfig) -> int:
         while not stopping:
             reason = node.supervise()
             if reason:
-                print(f"flower-shard node: {reason}", file=sys.stderr, flush=True)
+                logger.error("%s", reason)
                 return 1
             time.sleep(0.5)
         return 0
@@ -419,81 +301,3 @@ def run_node(cfg: NodeConfig) -> int:
         node.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def add_node_flags(parser: argparse.ArgumentParser) -> None:
-    d = NodeConfig()
-    parser.add_argument("--superlink", default=d.superlink, help="SuperLink HOST:PORT")
-    parser.add_argument(
-        "--nproc-per-group",
-        type=int,
-        default=d.nproc_per_group,
-        help="K: ranks in this node's group",
-    )
-    parser.add_argument("--port", type=int, default=None, help="the SuperNode's local API port")
-    parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
-    parser.add_argument(
-        "--data",
-        default=None,
-        help="this node's directory of text files, or a .jsonl / .parquet file (the run "
-        "config's text-column names the records' text field)",
-    )
-    parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
-    parser.add_argument(
-        "--root-certificates",
-        default=None,
-        help="CA file (PEM) that signed a TLS SuperLink's certificate; without it: no TLS",
-    )
-    parser.add_argument(
-        "--auth-supernode-private-key",
-        dest="auth_private_key",
-        default=None,
-        help="this node's EC private key (OpenSSH format) for SuperNode authentication; its "
-        "public key must be registered (flwr supernode register KEY.pub CONNECTION); needs "
-        "--root-certificates",
-    )
-    parser.add_argument(
-        "--auth-supernode-public-key",
-        dest="auth_public_key",
-        default=None,
-        help="optional: the registered public key, checked to match the private key",
-    )
-    parser.add_argument(
-        "--poll-interval",
-        type=float,
-        default=d.poll_interval,
-        help="the SuperNode's idle poll in seconds (Flower's own: 3)",
-    )
-    parser.add_argument(
-        "--no-warm-clientapp",
-        dest="warm_clientapp",
-        action="store_false",
-        help="start a fresh ClientApp process per message (Flower's own; seconds per round)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=d.max_restarts,
-        help="restart the group up to this many times when it dies (0: the node exits)",
-    )
-    parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
-
-
-def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        superlink=args.superlink,
-        nproc_per_group=args.nproc_per_group,
-        port=args.port,
-        work_dir=args.work_dir,
-        data=args.data,
-        device=args.device,
-        root_certificates=args.root_certificates,
-        auth_private_key=args.auth_private_key,
-        auth_public_key=args.auth_public_key,
-        dump_dir=args.dump_dir,
-        fault_file=args.fault_file,
-        poll_interval=args.poll_interval,
-        warm_clientapp=args.warm_clientapp,
-        max_restarts=args.max_restarts,
-    )

@@ -1,44 +1,16 @@
-"""Server-side math on full arrays, as pure functions: validation, robust and weighted means.
+"""Server-side math on full arrays, as pure functions: weighted and robust means, outliers.
 
-The outer step is the group runtime's own :class:`~flower_shard.runtime.outer_sync.OuterOptimizer`,
-applied to the whole model flattened in a fixed key order (:mod:`flower_shard.flower.wire`).
+The outer step is the group runtime's own
+:class:`~flower_shard.runtime.outer_optimizer.OuterOptimizer`, applied to the whole model
+flattened in a fixed key order (:mod:`flower_shard.flower.wire`).
+The replies are checked before any of this runs (:mod:`flower_shard.flower.server.replies`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flower_shard.flower.wire import Arrays, Spec
-
-
-def check_arrays(arrays: Arrays, expected: Spec) -> str | None:
-    """Why a group's weights cannot be used, or None if they can.
-
-    Checks, in order: missing keys, extra keys, shapes, dtypes, non-finite values.
-    """
-    missing = sorted(set(expected) - set(arrays))
-    if missing:
-        return f"missing arrays {missing[:3]}{'...' if len(missing) > 3 else ''}"
-    extra = sorted(set(arrays) - set(expected))
-    if extra:
-        return f"unexpected arrays {extra[:3]}{'...' if len(extra) > 3 else ''}"
-    for name, (shape, dtype) in expected.items():
-        a = arrays[name]
-        if tuple(a.shape) != shape:
-            return f"{name} has shape {tuple(a.shape)}, expected {shape}"
-        if str(a.dtype) != dtype:
-            return f"{name} has dtype {a.dtype}, expected {dtype}"
-    for name, a in arrays.items():
-        if not np.isfinite(a).all():
-            return f"{name} has non-finite values"
-    return None
-
-
-def check_weight(value) -> str | None:
-    """Why a reported token count cannot weight the average, or None."""
-    if not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-        return f"num-tokens must be a finite number > 0, got {value!r}"
-    return None
+from flower_shard.flower.wire import Arrays
 
 
 def weighted_mean(models: list[Arrays], weights: list[float]) -> dict[str, np.ndarray]:

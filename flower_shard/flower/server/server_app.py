@@ -1,11 +1,11 @@
 """The ServerApp: reads the run config, runs ShardedFedAvg, writes OUT/metrics.jsonl and the model.
 
-Outputs in ``out-dir``: ``metrics.jsonl`` (one line per round, the group runtime's fields plus
-``groups_ok``, ``groups_rejected``, ``rejected``, ``exchange_bytes``, ``round_s``,
-``control_overhead_s``), ``final_model.safetensors`` (collective transport: fetched from a
-group at the end), ``summary.json``
-(status ``ok`` or ``failed`` with the reason: ``flwr run`` itself exits 0 either way; on success
-also ``model``, ``tokenizer`` and ``seq_len``, which ``flower-shard export`` reads).
+Outputs in ``out-dir``: ``metrics.jsonl`` (one line per round:
+:meth:`~flower_shard.flower.server.stats.RoundStats.record`), ``final_model.safetensors`` (the
+strategy's final model: the server's global one, or, where the groups hold the model, fetched
+from one of them at the end), ``summary.json`` (status ``ok`` or ``failed`` with the reason:
+``flwr run`` itself exits 0 either way; on success also ``model``, ``tokenizer`` and
+``seq_len``, which ``flower-shard export`` reads).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import traceback
-from datetime import timedelta
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig
+from flower_shard.flower.server.strategy import ResumePoint, ShardedFedAvg
+from flower_shard.flower.server.transports import transport_class
 from flower_shard.preflight import check_federation
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
@@ -42,8 +43,9 @@ class HeldOutEvaluator:
         from flower_shard.runtime.models import build_model
 
         t = fed.train
-        info = prepare_corpus(out / "data", t.data, t.tokenizer, t.eval_fraction, t.text_column)
-        self.blocks = eval_shard(out / "data", t.seq_len, t.eval_sequences, 0, 1)
+        data = out / F.DATA_DIR
+        info = prepare_corpus(data, t.data, t.tokenizer, t.eval_fraction, t.text_column)
+        self.blocks = eval_shard(data, t.seq_len, t.eval_sequences, 0, 1)
         self.batch_size = t.batch_size
         self.model = build_model(t.model, info.vocab_size, t.seed, t.seq_len)
         self.model.eval()
@@ -57,29 +59,6 @@ class HeldOutEvaluator:
         self.model.load_state_dict(state, strict=True)
         total = loss_sums(self.model, self.blocks, self.batch_size)
         return MetricRecord({P.EVAL_LOSS: (total[0] / total[1]).item()})
-
-
-def host_rendezvous(address: str, timeout_s: float):
-    """The TCPStore where the groups meet (collective transport), listening on ``address`` only.
-
-    torch's TCPStore listens on every interface whatever host it is given; a socket bound
-    here to HOST:PORT and handed over (``master_listen_fd``) keeps it on the configured one.
-    The store owns the socket from then on and closes it with itself.
-    """
-    import socket
-
-    import torch.distributed as dist
-
-    host, port = address.rsplit(":", 1)
-    listener = socket.create_server((host, int(port)))
-    return dist.TCPStore(
-        host,
-        int(port),
-        is_master=True,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-        timeout=timedelta(seconds=timeout_s),
-    )
 
 
 def initial_arrays(fed: FederationConfig, vocab_size: int) -> dict[str, np.ndarray]:
@@ -106,30 +85,30 @@ def main(grid: Grid, context: Context) -> None:
         out.mkdir(parents=True, exist_ok=True)
         run(grid, fed, out)
     except Exception as exc:
-        (out / F.SUMMARY_FILE).write_text(
-            json.dumps(
-                {
-                    "status": "failed",
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        failed = {
+            P.S_STATUS: P.STATUS_FAILED,
+            P.S_ERROR: f"{type(exc).__name__}: {exc}",
+            P.S_TRACEBACK: traceback.format_exc(),
+        }
+        (out / F.SUMMARY_FILE).write_text(json.dumps(failed, indent=2) + "\n")
         raise
 
 
-def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], dict]:
+# The server checkpoint's JSON state, besides the round and RNG that checkpoint.save_server adds.
+HISTORY, RUN_NAME, ORDER = "history", "run_name", "order"
+
+
+def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePoint]:
     """The global weights and the state to continue ``fed.train.resume`` from.
 
-    The newest good server checkpoint; with the collective transport only a round whose group
-    checkpoints exist (every ``checkpoint-every`` rounds), since the weights live in the groups.
+    The newest good server checkpoint; where the groups hold the model (the collective
+    transport) only a round whose group checkpoints exist (every ``checkpoint-every`` rounds).
     """
     t = fed.train
+    in_groups = transport_class(fed.transport).groups_hold_model
     found = C.latest_good(
-        Path(t.resume, "checkpoints", "server"),
-        accept=lambda r: fed.transport == "flower" or t.checkpoint_due(r),
+        Path(t.resume, F.CHECKPOINTS_DIR, F.SERVER_CHECKPOINTS),
+        accept=lambda r: not in_groups or t.checkpoint_due(r),
         log=lambda m: log(WARNING, "%s", m),
     )
     if found is None:
@@ -138,83 +117,81 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], dict]:
         )
     arrays, outer, state = C.load_server(found[1])
     # safetensors stores names sorted; the outer state is flat in the model's order.
-    arrays = {k: arrays[k] for k in state["order"]}
+    arrays = {k: arrays[k] for k in state[ORDER]}
     C.restore_rng(state["rng"])
-    log(INFO, "resuming %s after round %d (%s)", state["run_name"], state["round"], found[1])
-    return arrays, {"round": state["round"], "outer": outer, **state}
+    point = ResumePoint(state["round"], outer, state[HISTORY], state[RUN_NAME])
+    log(INFO, "resuming %s after round %d (%s)", point.run_name, point.round, found[1])
+    return arrays, point
 
 
 def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
-    from flower_shard.flower.server.strategy import ShardedFedAvg
+    """Run the strategy to the end; write the metrics, the final model and the summary."""
+    from safetensors.numpy import save_file
 
     t = fed.train
     evaluator = HeldOutEvaluator(fed, out)
     resumed = None
     if t.resume:
         first, resumed = resume_point(fed)
-        M.keep_rounds(t.resume, out, resumed["round"])
+        M.keep_rounds(t.resume, out, resumed.round)
     else:
         first = initial_arrays(fed, evaluator.model.config.vocab_size)
         (out / F.METRICS_FILE).unlink(missing_ok=True)
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
-    run_name = resumed["run_name"] if resumed else str(out)
+    run_name = resumed.run_name if resumed else str(out)
     logger = M.MetricsLogger(
         out,
         echo=not t.quiet,
         total_rounds=0 if t.adaptive_t else t.rounds,  # with adaptive-t the rounds vary
         tensorboard=t.tensorboard,
     )
-    store = None
-    if fed.transport == "collective":  # host the cross-group rendezvous for the groups
-        store = host_rendezvous(fed.collective_address, fed.round_timeout)
-
-    def on_round(record: dict) -> None:
-        # Checkpoint first: a metrics line means its round is safe on disk.
-        if t.checkpoint_every:
-            C.save_server(
-                out / "checkpoints" / "server",
-                record[P.ROUND],
-                strategy.global_arrays,
-                strategy.outer.state_dict(),
-                _jsonable(
-                    {"history": strategy.history, "run_name": run_name, "order": strategy.order}
-                ),
-                keep=t.keep_checkpoints,
-            )
-        logger.log(_jsonable(record))
-
-    strategy = ShardedFedAvg(fed, on_round=on_round)
-    config = ConfigRecord(fed.group_config() | {P.RUN_NAME: run_name})
+    strategy = ShardedFedAvg(fed)
+    strategy.on_round = round_recorder(strategy, fed, out, run_name, logger)
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord({k: Array(v) for k, v in first.items()}),
         num_rounds=t.rounds,
         timeout=fed.round_timeout,
-        train_config=config,
-        evaluate_fn=evaluator if fed.transport == "flower" else None,
+        train_config=ConfigRecord(fed.group_config() | {P.RUN_NAME: run_name}),
+        evaluate_fn=evaluator,
         resumed=resumed,
     )
     logger.close()
-    from safetensors.numpy import save_file
-
-    if fed.transport == "flower":
-        final = {k: v.numpy() for k, v in result.arrays.items()}
-    else:  # the groups hold the model: fetch it once from one of them
-        final = strategy.final_weights(grid) if strategy.history else None
-    if final is not None:
-        save_file(final, str(out / F.FINAL_MODEL))
+    if len(result.arrays):
+        save_file({k: v.numpy() for k, v in result.arrays.items()}, str(out / F.FINAL_MODEL))
     summary = {
-        "status": "ok",
-        "rounds": len(strategy.history),
-        "transport": fed.transport,
-        "final": strategy.history[-1] if strategy.history else None,
+        P.S_STATUS: P.STATUS_OK,
+        P.S_ROUNDS: len(strategy.history),
+        P.S_TRANSPORT: fed.transport,
+        P.S_FINAL: strategy.history[-1] if strategy.history else None,
         # What `flower-shard export` needs to rebuild the model around final_model.safetensors.
-        "model": _resolved(t.model),
-        "tokenizer": _resolved(t.tokenizer),
-        "seq_len": t.seq_len,
+        P.S_MODEL: _resolved(t.model),
+        P.S_TOKENIZER: _resolved(t.tokenizer),
+        P.S_SEQ_LEN: t.seq_len,
     }
     (out / F.SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
-    del store
+
+
+def round_recorder(strategy, fed: FederationConfig, out: Path, run_name: str, logger):
+    """What the ServerApp does after each round: checkpoint first (a metrics line means its
+    round is safe on disk), then write the round's metrics line."""
+    t = fed.train
+
+    def on_round(record: dict) -> None:
+        if t.checkpoint_every:
+            transport = strategy.transport
+            state = {HISTORY: strategy.history, RUN_NAME: run_name, ORDER: transport.order}
+            C.save_server(
+                out / F.CHECKPOINTS_DIR / F.SERVER_CHECKPOINTS,
+                record[P.ROUND],
+                transport.global_arrays,
+                transport.state_dict(),
+                _jsonable(state),
+                keep=t.keep_checkpoints,
+            )
+        logger.log(_jsonable(record))
+
+    return on_round
 
 
 def _resolved(path: str | None) -> str | None:

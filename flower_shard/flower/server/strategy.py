@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
-import numpy as np
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -18,240 +18,109 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from flower_shard import protocol as P
 from flower_shard.config.federation import FederationConfig
-from flower_shard.flower.server.aggregation import (
-    check_arrays,
-    check_weight,
-    norm_outliers,
-    trimmed_mean,
-    update_norms,
-    weighted_mean,
-)
-from flower_shard.flower.wire import describe, flatten, pack, unflatten, unflatten_flat, unpack
-from flower_shard.planning.adaptive import AdaptiveT
-from flower_shard.runtime import compression as Z
-from flower_shard.runtime.evaluation import perplexity
+from flower_shard.flower.server import replies as R
+from flower_shard.flower.server.exchange import Exchange, Messenger
+from flower_shard.flower.server.schedule import RoundPlan, RoundSchedule
+from flower_shard.flower.server.stats import Evaluation, RoundStats, Timing, TrainOutcome
+from flower_shard.flower.server.transports import Transport, transport_class
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
-class ShardedFedAvg(FedAvg):
-    """FedAvg over FSDP/HSDP groups, one round = T local steps, with an outer optimizer.
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: its server checkpoint's round, state and history."""
 
-    Each round, every connected node (one group each, indexed by sorted node id) gets the run
-    config with ``local-steps`` = T and its ``group-index``; with ``transport=flower`` also the
-    global weights. Replies are validated one by one (error replies, missing or extra arrays,
-    shapes, dtypes, non-finite values, the ``num-tokens`` weight): a bad reply is rejected with
-    its reason in the log and in the round's metrics, and the round goes on with the others.
-    With at least ``min-groups`` valid replies, the token-weighted mean of the groups' weights
-    goes through the outer optimizer (the group runtime's own
-    :class:`~flower_shard.runtime.outer_sync.OuterOptimizer`: ``fedavg`` or DiLoCo's
-    ``nesterov``) to give the next global weights; with fewer, the global weights stay as they were.
+    round: int
+    """The last round done."""
+    transport_state: dict
+    """The transport's :meth:`~.transports.base.Transport.state_dict` (the outer optimizer)."""
+    history: list[dict]
+    """The metrics records of the rounds so far."""
+    run_name: str
+    """The run's identity, which keys the groups' checkpoints."""
 
-    With ``transport=collective`` the messages carry configuration only: the groups average
-    their shards among themselves over a cross-group process group (rendezvous at
-    ``collective-address`` under a fresh prefix per round) and reply with metrics; the strategy
-    keeps rounds, membership, metrics and evaluation.
 
-    The strategy pushes and pulls messages itself with a short poll (``poll-interval``)
-    instead of ``Grid.send_and_receive``, which sleeps 3 s between pulls.
+class ShardedFedAvg(Strategy):
+    """FedAvg over FSDP/HSDP groups, one round = T local steps, weights moved by a transport.
+
+    A subclass of Flower's message-API ``Strategy`` (not of ``FedAvg``, whose hooks expect one
+    plain weighted average of unpacked ArrayRecords): ``configure_train`` builds one message
+    per group, ``aggregate_train`` checks and aggregates the replies, ``configure_evaluate`` and
+    ``aggregate_evaluate`` ask the groups for their held-out loss where they hold the model,
+    and ``start`` is Flower's loop with this project's rounds (below). What differs between
+    transports (what a message carries, how a reply's arrays are checked, how replies are
+    combined, where the model is evaluated, how it is fetched at the end) is the
+    :class:`~flower_shard.flower.server.transports.base.Transport` named by ``transport``.
+
+    Each round, every member node (one group each, indexed by sorted node id) gets the run
+    config with ``round-steps`` = T, its ``group-index`` and the transport's records. Every
+    reply is checked before use (:mod:`~flower_shard.flower.server.replies`: error replies,
+    each metric's type, finiteness and range, the arrays): a bad reply, or one that does not
+    come within ``round-timeout``, is rejected with its reason in the log and in the round's
+    ``rejected`` list, and the round goes on with the others. With at least ``min-groups``
+    valid replies the transport's aggregate becomes the next global model; with fewer, the
+    model stays as it was. The run is a budget of inner steps (``num-server-rounds`` x
+    ``local-steps``; see :mod:`~flower_shard.flower.server.schedule` for adaptive-t and
+    round-seconds). After each round ``on_round`` gets the metrics record (the ServerApp
+    checkpoints, then writes it). The strategy pushes and pulls messages itself with a short
+    poll (``poll-interval``) instead of ``Grid.send_and_receive``, which sleeps 3 s between pulls.
     """
 
     def __init__(self, fed: FederationConfig, *, on_round: Callable[[dict], None] | None = None):
-        super().__init__(
-            fraction_evaluate=0.0,
-            min_train_nodes=fed.min_groups,
-            min_available_nodes=fed.min_groups,
-            weighted_by_key=P.NUM_TOKENS,
-            arrayrecord_key=P.ARRAYS,
-            configrecord_key=P.CONFIG,
-        )
         self.fed = fed
         self.on_round = on_round
-        self.outer = None
-        self.expected: dict | None = None
-        self.order: list[str] = []
+        self.transport: Transport | None = None
+        """The run's transport (built by :meth:`start` from the initial weights)."""
         self.history: list[dict] = []
-        self.dropped: set[int] = set()
-        """Collective transport: nodes whose group died; later rounds leave them out."""
-        self._round: dict = {}
+        """The rounds' metrics records, resumed ones included."""
+        self._sent: list[Message] = []
+        """The training messages of the round in flight (configure_train's): what its replies
+        answer, and what they must match."""
 
-    # -- one round ---------------------------------------------------------------------------
+    # -- Flower's Strategy hooks -----------------------------------------------------------------
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self._messages(server_round, arrays, config, grid, MessageType.TRAIN)
-
-    def _messages(self, server_round, arrays, config, grid, message_type) -> list[Message]:
-        """One message per node: the run config, its group index, and the weights (flower)."""
-        node_ids = sorted(grid.get_node_ids())
-        # Collective: the groups that died are left out, and the live ones form this round's
-        # cross-group process group (their data parts stay where they were).
-        live = [n for n in node_ids if n not in self.dropped]
-        if self.fed.transport == "flower":  # one flat Array on the wire (aggregation.pack)
-            flat = pack({k: v.numpy() for k, v in arrays.items()})
-            arrays = ArrayRecord({P.PACKED: Array(flat)})
-        messages = []
-        for index, node in enumerate(node_ids):
-            if node not in live:
-                continue
-            cfg = ConfigRecord(dict(config))
-            cfg[P.SERVER_ROUND] = server_round
-            cfg[P.GROUP_INDEX] = index
-            cfg[P.NUM_GROUPS] = len(node_ids)
-            cfg[P.SYNC_RANK] = live.index(node)
-            cfg[P.SYNC_SIZE] = len(live)
-            cfg[P.COLLECTIVE_PREFIX] = f"run{grid.run.run_id}/round{server_round}"
-            cfg[P.RUN_ID] = grid.run.run_id  # a new run gets a fresh trainer in the group
-            content = RecordDict({P.CONFIG: cfg})
-            if self.fed.transport == "flower":
-                content[P.ARRAYS] = arrays
-            messages.append(Message(content=content, message_type=message_type, dst_node_id=node))
-        return messages
+        """One message per member: the config, its place, and the transport's records."""
+        records = self.transport.train_records(arrays)
+        self._sent = self._messages(server_round, config, grid, MessageType.TRAIN, records)
+        return self._sent
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        start = time.perf_counter()
-        ok, rejected = [], []
-        for msg in replies:
-            reason, parsed = self._check_reply(msg)
-            node = msg.metadata.src_node_id
-            if reason:
-                rejected.append(f"node {node}: {reason}")
-                log(
-                    WARNING,
-                    "round %s: rejected the reply of node %s: %s",
-                    server_round,
-                    node,
-                    reason,
-                )
-            else:
-                ok.append(parsed)
-        self._round["rejected"] = self._round.get("rejected", []) + rejected
-        if self.fed.transport == "flower" and len(ok) > 1:
-            ok = self._reject_outliers(server_round, ok)
-        self._round["ok"] = ok
-        if len(ok) < self.fed.min_groups:
-            log(
-                WARNING,
-                "round %s: %d valid replies, fewer than min-groups %d: the global model is kept",
-                server_round,
-                len(ok),
-                self.fed.min_groups,
-            )
-            return None, None
-        weights = [p["metrics"][P.NUM_TOKENS] for p in ok]
-        metrics = MetricRecord(
-            {
-                P.NUM_TOKENS: int(sum(weights)),
-                P.TRAIN_LOSS: float(
-                    np.average([p["metrics"][P.TRAIN_LOSS] for p in ok], weights=weights)
-                ),
-            }
-        )
-        if self.fed.transport != "flower":
-            return None, metrics
-        if self._compression != "none":
-            new = self._aggregate_deltas(ok, weights)
-        elif self.fed.aggregation == "trimmed-mean":
-            mean = trimmed_mean([p["arrays"] for p in ok], self.fed.trim_fraction)
-            new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
-        else:
-            mean = weighted_mean([p["arrays"] for p in ok], weights)
-            new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
-        self._global = new
-        self._round["server_s"] = time.perf_counter() - start
-        return ArrayRecord({k: Array(v) for k, v in new.items()}), metrics
+        outcome = self._aggregate(server_round, list(replies))
+        return outcome.arrays, outcome.metrics
 
-    def _reject_outliers(self, server_round: int, ok: list[dict]) -> list[dict]:
-        """Drop updates far larger than the others' (see aggregation.norm_outliers)."""
-        if self._compression != "none":
-            norms = [float(np.linalg.norm(p["delta"].astype(np.float64))) for p in ok]
-        else:
-            norms = update_norms([p["arrays"] for p in ok], self._global)
-        bad = norm_outliers(norms, self.fed.outlier_factor)
-        for i, reason in bad.items():
-            self._round["rejected"].append(f"node {ok[i]['node']}: {reason}")
-            log(
-                WARNING,
-                "round %s: rejected the update of node %s: %s",
-                server_round,
-                ok[i]["node"],
-                reason,
-            )
-        return [p for i, p in enumerate(ok) if i not in bad]
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Where the groups hold the model, one message per member; else none (the ServerApp
+        evaluates the global model itself)."""
+        if not self.transport.groups_hold_model:
+            return []
+        return self._messages(server_round, config, grid, MessageType.EVALUATE, {})
 
-    def _check_reply(self, msg: Message) -> tuple[str | None, dict]:
-        if msg.has_error():
-            return f"error reply: {msg.error.reason}", {}
-        content = msg.content
-        if P.METRICS not in content:
-            return f"no {P.METRICS!r} record", {}
-        metrics = dict(content[P.METRICS])
-        for key in (P.NUM_TOKENS, P.TRAIN_LOSS):
-            if key not in metrics:
-                return f"metric {key!r} missing", {}
-        reason = check_weight(metrics[P.NUM_TOKENS])
-        if reason is None and not np.isfinite(metrics[P.TRAIN_LOSS]):
-            reason = f"train-loss is {metrics[P.TRAIN_LOSS]}"
-        if reason:
-            return reason, {}
-        parsed = {"metrics": metrics, "node": msg.metadata.src_node_id}
-        if self.fed.transport == "flower":
-            if P.ARRAYS not in content:
-                return f"no {P.ARRAYS!r} record (transport flower needs the weights)", {}
-            try:
-                arrays = {k: v.numpy() for k, v in content[P.ARRAYS].items()}
-            except Exception as exc:  # a malformed Array fails to decode
-                return f"undecodable arrays: {exc}", {}
-            if self._compression == "none":
-                reason, arrays = unpack(arrays, self.expected)
-                reason = reason or check_arrays(arrays, self.expected)
-                if reason:
-                    return reason, {}
-                parsed["arrays"] = arrays
-            else:
-                reason, parsed["delta"] = self._decode_delta(arrays)
-                if reason:
-                    return reason, {}
-            parsed["bytes"] = content[P.ARRAYS].count_bytes()
-        return None, parsed
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The mean held-out loss of the valid evaluation replies."""
+        return self._evaluated(server_round, replies)[0]
 
-    @property
-    def _compression(self) -> str:
-        return self.fed.train.compression
+    def summary(self) -> None:
+        t, fed = self.fed.train, self.fed
+        log(INFO, "\t├──> Transport: %s, at least %d group(s)", fed.transport, fed.min_groups)
+        log(INFO, "\t├──> Outer optimizer: %s (lr %g)", t.outer, t.outer_lr)
+        log(INFO, "\t└──> Aggregation: %s, round-timeout %g s", fed.aggregation, fed.round_timeout)
 
-    def _decode_delta(self, arrays: dict) -> tuple[str | None, np.ndarray | None]:
-        """A compressed reply: (why it is refused, None) or (None, the flat float32 delta in
-        sorted-name order)."""
-        import torch
-
-        t = self.fed.train
-        payload = {}
-        for k, v in arrays.items():
-            payload[k] = torch.from_numpy(np.ascontiguousarray(v))
-        numel = sum(int(np.prod(shape)) for shape, _ in self.expected.values())
-        reason = Z.check_payload(payload, t.compression, numel, t.compression_chunk)
-        if reason:
-            return reason, None
-        return None, Z.decompress(payload, t.compression, t.compression_chunk).numpy()
-
-    def _aggregate_deltas(self, ok: list[dict], weights: list[float]) -> dict[str, np.ndarray]:
-        """The next global weights from compressed replies: the (token-weighted, or trimmed)
-        mean of the decoded pseudo-gradients, stepped by the outer optimizer."""
-        deltas = [{"delta": p["delta"]} for p in ok]
-        if self.fed.aggregation == "trimmed-mean":
-            mean = trimmed_mean(deltas, self.fed.trim_fraction)["delta"]
-        else:
-            mean = weighted_mean(deltas, weights)["delta"]
-        # The wire order is sorted by name; the outer optimizer's flat order is self.order.
-        pseudo_grad = flatten(unflatten_flat(mean, self.expected, sorted(self.order)), self.order)
-        return unflatten(self.outer.apply(pseudo_grad), self._global, self.order)
-
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------------
 
     def start(
         self,
@@ -261,248 +130,220 @@ class ShardedFedAvg(FedAvg):
         timeout: float = 3600,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        evaluate_fn: EvaluateFn | None = None,
         *,
-        resumed: dict | None = None,
+        resumed: ResumePoint | None = None,
     ) -> Result:
-        """Run rounds up to ``num_rounds``; ``evaluate_fn`` (flower transport) returns
-        ``eval-loss``.
+        """Run the rounds; ``timeout``: how long to wait for ``min-groups`` nodes to connect.
 
-        ``resumed`` continues a run from a server checkpoint: ``round`` (the last round done),
-        ``outer`` (the outer optimizer's state) and ``history`` (the rounds so far);
-        ``initial_arrays`` are then that checkpoint's global weights.
+        ``evaluate_fn`` evaluates the global model where the ServerApp holds it. ``resumed``
+        continues a run from a server checkpoint, whose global weights are then
+        ``initial_arrays``. ``Result.arrays`` is the final model (empty if the transport could
+        not get one).
         """
-        from flower_shard.runtime.outer_sync import OuterOptimizer
-
-        t = self.fed.train
+        began = time.perf_counter()
         config = ConfigRecord(self.fed.group_config()) if train_config is None else train_config
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, config, evaluate_config)
+        self.summary()
         initial = {k: v.numpy() for k, v in initial_arrays.items()}
-        self.expected, self.order = describe(initial), list(initial)
-        self._global = initial
-        self.outer = OuterOptimizer(
-            flatten(initial, self.order),
-            t.outer,
-            t.outer_lr,
-            t.outer_momentum,
-            track_weights=t.compression != "none",
-        )
-        first = 1
+        self.transport = transport_class(self.fed.transport)(self.fed, initial)
         if resumed:
-            self.outer.load_state_dict(resumed["outer"])
-            self.history = list(resumed["history"])
-            first = resumed["round"] + 1
-            config[P.RESUME_ROUND] = resumed["round"]
-        self._wait_for_groups(grid, timeout)
-        arrays, result = initial_arrays, Result()
-        tokens = self.history[-1][P.TOKENS] if self.history else 0
-        # The budget is in inner steps: with a fixed T that is exactly num_rounds rounds; with
-        # adaptive-t the number of rounds follows from the T chosen each round. Time-budgeted
-        # rounds (round-seconds): num_rounds rounds, each group as many steps as fit.
-        timed = self.fed.round_seconds > 0
-        steps = self.history[-1][P.STEP] if self.history else 0
-        budget = num_rounds * t.local_steps
-        local = self._next_local_steps(self.history[-1]) if self.history else t.local_steps
-        rnd = first - 1
-        while rnd < num_rounds if timed else steps < budget:
-            rnd += 1
-            n = t.max_local_steps if timed else min(local, budget - steps)
-            start = time.perf_counter()
-            self._round = {}
-            round_config = ConfigRecord(dict(config) | {P.ROUND_STEPS: n})
-            if timed:
-                round_config[P.ROUND_SECONDS] = float(self.fed.round_seconds)
-            messages = list(self.configure_train(rnd, arrays, round_config, grid))
-            sent = arrays.count_bytes() * len(messages) if self.fed.transport == "flower" else 0
-            replies = self.send_and_receive(grid, messages, self.fed.round_timeout)
-            if self.fed.transport == "collective":
-                self._drop_dead(rnd, messages, replies)
-            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
-            if new_arrays is not None:
-                arrays = result.arrays = new_arrays
-            ok = self._round["ok"]
-            if timed:  # the step count advances by the most steps a group trained
-                n = max((int(p["metrics"].get(P.STEPS, 0)) for p in ok), default=0)
-            steps += n
-            last = rnd >= num_rounds if timed else steps >= budget
-            round_tokens = int(sum(p["metrics"][P.NUM_TOKENS] for p in ok))
-            tokens += round_tokens
-            if train_metrics is not None:
-                result.train_metrics_clientapp[rnd] = train_metrics
-            eval_loss = None
-            if t.eval_every and (rnd % t.eval_every == 0 or last):
-                eval_loss = self._evaluate(rnd, arrays, config, grid, evaluate_fn)
-            round_s = time.perf_counter() - start
-            record = self._record(rnd, ok, round_tokens, tokens, round_s, eval_loss, sent)
-            record |= {P.STEP: steps, P.ROUND_LOCAL_STEPS: n}
-            self.history.append(record)
-            if self.on_round:
-                self.on_round(record)
-            local = self._next_local_steps(record)
-        result.arrays = arrays
+            self.transport.load_state_dict(resumed.transport_state)
+            self.history = list(resumed.history)
+            config[P.RESUME_ROUND] = resumed.round
+        messenger = Messenger(grid, self.fed.round_timeout, self.fed.poll_interval)
+        schedule = RoundSchedule(self.fed.train, num_rounds, self.fed.round_seconds, self.history)
+        result, arrays = Result(), initial_arrays
+        with self.transport:
+            messenger.wait_for_nodes(self.fed.min_groups, timeout)
+            while (plan := schedule.next()) is not None:
+                log(INFO, "")
+                log(INFO, "[ROUND %s%s]", plan.round, schedule.total)
+                arrays = self._round(messenger, plan, schedule, arrays, config, evaluate_fn, result)
+            final = self.transport.final_weights(messenger)
+        result.arrays = ArrayRecord({k: Array(v) for k, v in (final or {}).items()})
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - began)
         return result
 
-    def _next_local_steps(self, record: dict) -> int:
-        """The next round's T: the configured one, or with adaptive-t the rule of
-        :class:`~flower_shard.planning.adaptive.AdaptiveT` applied to the round's record (so that a
-        resumed run picks the same T). The exchange is everything in the round but the
-        groups' compute and the evaluation: gathering, Flower's messaging, the aggregation
-        (or the collective sync), loading the new weights."""
-        t = self.fed.train
-        if not t.adaptive_t:
-            return t.local_steps
-        n = record.get(P.ROUND_LOCAL_STEPS, t.local_steps)
-        compute = record[P.COMPUTE_S]
-        exchange = record["control_overhead_s"] + record["group_round_s"] - compute
-        rule = AdaptiveT(t.exchange_share, t.min_local_steps, t.max_local_steps)
-        return rule.next(n, compute / n, max(0.0, exchange))
+    def _round(
+        self,
+        messenger: Messenger,
+        plan: RoundPlan,
+        schedule: RoundSchedule,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        evaluate_fn: EvaluateFn | None,
+        result: Result,
+    ) -> ArrayRecord:
+        """One round: train, aggregate, evaluate, record; returns the global arrays after it."""
+        start = time.perf_counter()
+        messages, exchange, outcome = self._train(messenger, plan, arrays, config)
+        new_arrays, metrics = outcome.arrays, outcome.metrics  # each built once: a whole model
+        if new_arrays is not None:
+            arrays = new_arrays
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.train_metrics_clientapp[plan.round] = metrics
+        evaluated = time.perf_counter()
+        evaluation = Evaluation()
+        if plan.evaluate:
+            evaluation = self._evaluate(messenger, plan.round, arrays, config, evaluate_fn, result)
+        timing = Timing(
+            round_s=time.perf_counter() - start,
+            train=exchange.times,  # the training exchange's own, whatever came after it
+            eval_s=time.perf_counter() - evaluated if plan.evaluate else 0.0,
+        )
+        local_steps = schedule.trained(plan, max((r.steps for r in outcome.ok), default=0))
+        # Arrays that crossed Flower this round: sent to every member, and the valid replies'.
+        sent = sum(m.content[P.ARRAYS].count_bytes() for m in messages if P.ARRAYS in m.content)
+        dropped = len(self.transport.dropped)
+        stats = RoundStats.collect(plan, local_steps, outcome, sent, dropped, timing, evaluation)
+        record = stats.record()
+        self.history.append(record)
+        schedule.done(record)
+        if self.on_round:
+            self.on_round(record)
+        return arrays
 
-    def _drop_dead(self, rnd: int, messages: list[Message], replies: list[Message]) -> None:
-        """Leave out of later collective rounds every group that did not answer, or failed for
-        another reason than an abandoned sync (a group that abandoned the sync is alive)."""
-        alive = {
-            r.metadata.src_node_id
-            for r in replies
-            if not r.has_error() or P.SYNC_ABANDONED in r.error.reason
-        }
-        dead = {m.metadata.dst_node_id for m in messages} - alive
-        if dead:
-            self.dropped |= dead
+    def _train(
+        self, messenger: Messenger, plan: RoundPlan, arrays: ArrayRecord, config: ConfigRecord
+    ) -> tuple[list[Message], Exchange, TrainOutcome]:
+        """The training phase: configure, send and receive, check and aggregate."""
+        per_round = {P.ROUND_STEPS: plan.steps}
+        if plan.seconds:
+            per_round[P.ROUND_SECONDS] = plan.seconds
+        round_config = ConfigRecord(dict(config) | per_round)
+        messages = list(self.configure_train(plan.round, arrays, round_config, messenger.grid))
+        budget = f"as many as fit in {plan.seconds:g} s, at most" if plan.seconds else "each"
+        log(INFO, "configure_train: %d group(s), %s %d steps", len(messages), budget, plan.steps)
+        exchange = messenger.send_and_receive(messages)
+        outcome = self._aggregate(plan.round, exchange.replies)
+        ok, failed = len(outcome.ok), len(outcome.rejected)
+        log(INFO, "aggregate_train: received %d results and %d failures", ok, failed)
+        return messages, exchange, outcome
+
+    def _evaluate(
+        self,
+        messenger: Messenger,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        evaluate_fn: EvaluateFn | None,
+        result: Result,
+    ) -> Evaluation:
+        """The held-out loss of the round's model: the groups' where they hold it, else the
+        ServerApp's ``evaluate_fn`` on the global arrays."""
+        rejected: list[str] = []
+        if self.transport.groups_hold_model:
+            messages = list(self.configure_evaluate(server_round, arrays, config, messenger.grid))
+            log(INFO, "configure_evaluate: %d group(s)", len(messages))
+            exchange = messenger.send_and_receive(messages)
+            metrics, rejected = self._evaluated(server_round, exchange.replies, messages)
+            store = result.evaluate_metrics_clientapp
+        elif evaluate_fn is not None:
+            log(INFO, "Global evaluation")
+            metrics = evaluate_fn(server_round, arrays)
+            store = result.evaluate_metrics_serverapp
+        else:
+            return Evaluation()
+        if metrics is None:
+            return Evaluation(None, rejected)
+        log(INFO, "\t└──> MetricRecord: %s", metrics)
+        store[server_round] = metrics
+        return Evaluation(float(metrics[P.EVAL_LOSS]), rejected)
+
+    # -- the round's parts -----------------------------------------------------------------------
+
+    def _messages(
+        self,
+        server_round: int,
+        config: ConfigRecord,
+        grid: Grid,
+        message_type: str,
+        records: dict[str, ArrayRecord | ConfigRecord],
+    ) -> list[Message]:
+        """One message per member node: ``config``, the node's place, the transport's keys."""
+        nodes = sorted(grid.get_node_ids())
+        members = self.transport.members(nodes)
+        run_id = grid.run.run_id
+        messages = []
+        for rank, node in enumerate(members):
+            cfg = ConfigRecord(dict(config))
+            cfg[P.SERVER_ROUND] = server_round
+            cfg[P.GROUP_INDEX] = nodes.index(node)
+            cfg[P.NUM_GROUPS] = len(nodes)
+            cfg[P.RUN_ID] = run_id  # a new run gets a fresh trainer in the group
+            for key, value in self.transport.node_config(
+                server_round, run_id, rank, len(members)
+            ).items():
+                cfg[key] = value
+            content = RecordDict({P.CONFIG: cfg, **records})
+            messages.append(Message(content, dst_node_id=node, message_type=message_type))
+        return messages
+
+    def _reply_rules(self) -> R.ReplyRules:
+        """What the round's training replies must match, from its messages as pushed."""
+        t = self.fed.train
+        configs = [m.content[P.CONFIG] for m in self._sent]
+        return R.ReplyRules(
+            asked=R.asked_nodes(self._sent),
+            groups={m.metadata.dst_node_id: c[P.GROUP_INDEX] for m, c in zip(self._sent, configs)},
+            max_steps=max((int(c.get(P.ROUND_STEPS, t.local_steps)) for c in configs), default=0),
+            tokens_per_step=t.batch_size * t.seq_len,
+            max_lr=t.lr * (1 + 1e-6),
+            # A group that replied in time worked less than round-timeout after the push
+            # began; twice that leaves room for the push and for the clocks' resolution.
+            max_seconds=2 * self.fed.round_timeout,
+        )
+
+    def _aggregate(self, server_round: int, replies: list[Message]) -> TrainOutcome:
+        """Check every reply, leave out the transport's outliers, aggregate the rest."""
+        rules = self._reply_rules()
+        answered = {r.metadata.reply_to_message_id: r for r in replies}
+        timeout = f"no reply within round-timeout {self.fed.round_timeout:.0f} s"
+        rejected = [
+            R.reject(server_round, MessageType.TRAIN, node, timeout)
+            for mid, node in rules.asked.items()
+            if mid not in answered
+        ]
+        fields = R.TRAIN_FIELDS + self.transport.reply_fields
+        ok, bad = R.check_train_replies(
+            server_round, replies, rules, fields, self.transport.check_payload
+        )
+        rejected += bad
+        outliers = self.transport.screen(ok)
+        for i, reason in outliers.items():
+            rejected.append(R.reject(server_round, MessageType.TRAIN, ok[i].node, reason))
+        ok = [r for i, r in enumerate(ok) if i not in outliers]
+        by_node = {node: answered[mid] for mid, node in rules.asked.items() if mid in answered}
+        self.transport.observe(server_round, rules.groups, by_node)
+        committed = len(ok) >= self.fed.min_groups
+        if not committed:
             log(
                 WARNING,
-                "round %s: group(s) of node(s) %s failed; the next rounds sync without them",
-                rnd,
-                sorted(dead),
+                "round %s: %d valid replies, fewer than min-groups %d: the global model is kept",
+                server_round,
+                len(ok),
+                self.fed.min_groups,
             )
+        aggregate = self.transport.aggregate(server_round, ok, committed)
+        return TrainOutcome(ok, rejected, aggregate, committed)
 
-    @property
-    def global_arrays(self) -> dict[str, np.ndarray]:
-        """The current global weights (the server's copy; in the collective transport the
-        groups hold the model and this stays the initial one)."""
-        return self._global
-
-    def _record(self, rnd, ok, round_tokens, tokens, round_s, eval_loss, sent) -> dict:
-        groups = [p["metrics"] for p in ok]
-        flower = self.fed.transport == "flower"
-        received = sum(p.get("bytes", 0) for p in ok)
-        group_s = max((g.get(P.GROUP_ROUND_S, 0.0) for g in groups), default=0.0)
-        record = {
-            P.ROUND: rnd,
-            P.TOKENS: tokens,
-            P.TOKENS_PER_S: round_tokens / round_s,
-            P.TRAIN_LOSS: float(
-                np.average(
-                    [g[P.TRAIN_LOSS] for g in groups], weights=[g[P.NUM_TOKENS] for g in groups]
-                )
-            )
-            if groups
-            else float("nan"),
-            P.LR: float(np.mean([g.get(P.LR, 0.0) for g in groups])) if groups else 0.0,
-            P.ROUND_S: round_s,
-            P.COMPUTE_S: max((g.get(P.COMPUTE_S, 0.0) for g in groups), default=0.0),
-            P.INTRA_BYTES: max((g.get(P.INTRA_BYTES, 0.0) for g in groups), default=0.0),
-            P.INTRA_COMM_S: max((g.get(P.INTRA_COMM_S, 0.0) for g in groups), default=0.0),
-            P.OUTER_SYNC_S: self._round.get("server_s", 0.0)
-            if flower
-            else max((g.get(P.OUTER_SYNC_S, 0.0) for g in groups), default=0.0),
-            P.OUTER_SYNC_BYTES: (received // len(ok) if ok else 0)
-            if flower
-            else max((int(g.get(P.OUTER_SYNC_BYTES, 0)) for g in groups), default=0),
-            "groups_ok": len(ok),
-            "groups_rejected": len(self._round["rejected"]),
-            "groups_dropped": len(self.dropped),
-            "rejected": self._round["rejected"],
-            "exchange_bytes": sent + received,
-            "push_s": self._round.get("push_s", 0.0),
-            "reply_wait_s": self._round.get("reply_wait_s", 0.0),
-            "group_round_s": group_s,
-            "control_overhead_s": max(0.0, round_s - group_s - self._round.get("eval_s", 0.0)),
-            # Each valid group's share of the round (they differ with round-seconds or K).
-            "groups": sorted(
-                (
-                    {
-                        P.GROUP: int(g.get(P.GROUP, -1)),
-                        P.STEPS: int(g.get(P.STEPS, 0)),
-                        "tokens": int(g[P.NUM_TOKENS]),
-                        "compute_s": float(g.get(P.COMPUTE_S, 0.0)),
-                        "clientapp_pid": int(g.get(P.CLIENTAPP_PID, 0)),
-                    }
-                    for g in groups
-                ),
-                key=lambda g: g["group"],
-            ),
-        }
-        if eval_loss is not None:
-            record[P.EVAL_LOSS] = eval_loss
-            record[P.EVAL_PPL] = perplexity(eval_loss)
-        return record
-
-    def _evaluate(self, rnd, arrays, config, grid, evaluate_fn) -> float | None:
-        start = time.perf_counter()
-        loss = None
-        if self.fed.transport == "flower" and evaluate_fn is not None:
-            res = evaluate_fn(rnd, arrays)
-            loss = None if res is None else float(res[P.EVAL_LOSS])
-        elif self.fed.transport == "collective":  # the groups hold the (identical) model
-            messages = self._messages(rnd, arrays, config, grid, MessageType.EVALUATE)
-            losses = [
-                dict(m.content[P.METRICS])[P.EVAL_LOSS]
-                for m in self.send_and_receive(grid, messages, self.fed.round_timeout)
-                if not m.has_error() and P.METRICS in m.content
-            ]
-            loss = float(np.mean(losses)) if losses else None
-        self._round["eval_s"] = time.perf_counter() - start
-        return loss
-
-    def final_weights(self, grid: Grid) -> dict[str, np.ndarray] | None:
-        """Collective transport: the model the groups hold after the last sync, fetched once
-        from one live group (all hold the same average) with a QUERY message; checked like a
-        training reply. None, with the reason logged, if no group delivers valid weights."""
-        live = [n for n in sorted(grid.get_node_ids()) if n not in self.dropped]
-        for node in live:
-            msg = Message(
-                content=RecordDict({P.CONFIG: ConfigRecord({P.RUN_ID: grid.run.run_id})}),
-                message_type=MessageType.QUERY,
-                dst_node_id=node,
-            )
-            replies = self.send_and_receive(grid, [msg], self.fed.round_timeout)
-            if not replies or replies[0].has_error() or P.ARRAYS not in replies[0].content:
-                why = replies[0].error.reason if replies and replies[0].has_error() else "none"
-                log(WARNING, "final weights: node %s gave no weights (%s)", node, why)
-                continue
-            arrays = {k: v.numpy() for k, v in replies[0].content[P.ARRAYS].items()}
-            reason = check_arrays(arrays, self.expected)
-            if reason is None:
-                return arrays
-            log(WARNING, "final weights: node %s: %s", node, reason)
-        return None
-
-    # -- messaging ---------------------------------------------------------------------------
-
-    def send_and_receive(self, grid: Grid, messages: list[Message], timeout: float):
-        """Push, then pull every ``poll-interval`` until all replied or ``timeout`` passed."""
-        start = time.perf_counter()
-        pending = set(grid.push_messages(messages))
-        self._round["push_s"] = self._round.get("push_s", 0.0) + time.perf_counter() - start
-        replies: list[Message] = []
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
-            got = list(grid.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if pending:
-                time.sleep(self.fed.poll_interval)
-        self._round["reply_wait_s"] = time.perf_counter() - start - self._round["push_s"]
-        if pending:
-            self._round.setdefault("rejected", []).extend(
-                f"no reply within round-timeout {timeout:.0f} s" for _ in pending
-            )
-            log(WARNING, "%d group(s) did not reply within %.0f s", len(pending), timeout)
-        return replies
-
-    def _wait_for_groups(self, grid: Grid, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(list(grid.get_node_ids())) < self.fed.min_groups:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than min-groups {self.fed.min_groups} nodes connected")
-            time.sleep(self.fed.poll_interval * 4)
-        log(INFO, "%d group(s) connected", len(list(grid.get_node_ids())))
+    def _evaluated(
+        self, server_round: int, replies: Iterable[Message], messages: Iterable[Message] = ()
+    ) -> tuple[MetricRecord | None, list[str]]:
+        """The mean held-out loss of the valid evaluation replies to ``messages``, and a line
+        per other one (without ``messages``: no reply is missing, none can be named)."""
+        replies = list(replies)
+        asked = R.asked_nodes(messages)
+        answered = {r.metadata.reply_to_message_id for r in replies}
+        rejected = [
+            R.reject(server_round, MessageType.EVALUATE, node, "no reply within round-timeout")
+            for mid, node in asked.items()
+            if mid not in answered
+        ]
+        losses, bad = R.check_eval_replies(server_round, replies, asked)
+        metrics = MetricRecord({P.EVAL_LOSS: sum(losses) / len(losses)}) if losses else None
+        return metrics, rejected + bad

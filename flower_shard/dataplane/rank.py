@@ -1,0 +1,129 @@
+"""A rank's side of the streaming transport across rounds: pull the global model into its
+shards, push its pseudo-gradient from them.
+
+Each rank holds, besides its FSDP2 shards, its **view**: the flat float32 values of the last
+global model it loaded, for exactly the element ranges its shards hold (M / K per rank). At the
+start of a round it pulls the global model: a full snapshot (first round, after a restart, or
+after missing a round) replaces the view, a compressed delta is added to it; the shards then
+take the view's values, in place. At the end of the round it pushes ``view - local``, chunk by
+chunk (computed per chunk: no second copy of the shard), through the uplink encoder (error
+feedback per rank when compressed).
+
+HSDP: the R replicas of a shard hold it bit-identically, so only replica 0 pulls and pushes;
+it broadcasts what it pulled to the other replicas over the replicate process group (the fast
+tier), and the group sends its shard across the slow link once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flower_shard.dataplane.client import RankLink, UplinkEncoder
+from flower_shard.dataplane.layout import Layout, local_range
+
+
+class _Delta:
+    """``view - local`` of one piece, computed per slice (what the encoder reads)."""
+
+    def __init__(self, view: np.ndarray, local):
+        self.view, self.local, self.size = view, local, view.size
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        return self.view[s] - self.local[s].detach().float().cpu().numpy()
+
+
+class RankExchange:
+    """One rank's view, encoder and pieces; see the module docstring.
+
+    Parameters
+    ----------
+    model
+        The group's FSDP2 model (this rank's shards).
+    layout
+        The run's parameter layout (the names must be the model's parameters).
+    kind, scale_chunk, feedback
+        The uplink's compression and error feedback.
+    replicate_pg
+        HSDP: the process group of this rank's replicas (None for FSDP).
+    """
+
+    def __init__(
+        self, model, layout: Layout, kind: str, scale_chunk: int, feedback: bool, replicate_pg=None
+    ):
+        from torch.distributed.tensor import DTensor
+
+        index = layout.index()
+        params = dict(model.named_parameters())
+        unknown = sorted(set(params) ^ set(index))
+        if unknown:
+            raise ValueError(f"the model and the run's layout differ in {unknown[:3]}")
+        self.pieces = []  # (layout index, flat local view of the shard, start, stop)
+        for name in sorted(params):
+            p = params[name]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            start, stop = local_range(p)
+            if stop > start:
+                self.pieces.append((index[name].index, local.data.view(-1), start, stop))
+        self.layout = layout
+        self.encoder = UplinkEncoder(kind, scale_chunk, feedback)
+        self.view = {i: np.zeros(stop - start, np.float32) for i, _, start, stop in self.pieces}
+        self.have_round = -1
+        self.replicate_pg = replicate_pg
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank talks to the aggregators (replica 0 of its shard)."""
+        return self.replicate_pg is None or self.replicate_pg.rank() == 0
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        return [(i, start, stop) for i, _, start, stop in self.pieces]
+
+    def pull(self, link: RankLink | None) -> str:
+        """Load the global model into the shards (and the view); the mode it came in."""
+        import torch
+
+        mode = "none"
+        if self.leader:
+            starts = {i: start for i, _, start, _ in self.pieces}
+            locals_ = {i: local for i, local, _, _ in self.pieces}
+
+            def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
+                at = start - starts[param]
+                view = self.view[param]
+                if how == "delta":
+                    view[at : at + values.size] += values
+                else:
+                    view[at : at + values.size] = values
+                target = locals_[param][at : at + values.size]
+                target.copy_(torch.from_numpy(view[at : at + values.size]).to(target.device))
+
+            mode, rnd, _ = link.download(self.ranges(), self.layout, self.have_round, sink=sink)
+            self.have_round = rnd
+        if self.replicate_pg is not None:
+            self._share_with_replicas()
+        return mode
+
+    def _share_with_replicas(self) -> None:
+        """HSDP: replica 0's shards and view to the other replicas (replicate group)."""
+        import torch
+        import torch.distributed as dist
+
+        pg = self.replicate_pg
+        device = self.pieces[0][1].device if self.pieces else torch.device("cpu")
+        for i, local, _, _ in self.pieces:
+            view = torch.from_numpy(self.view[i])
+            for t in (local, view):
+                buf = t if t.device == device else t.to(device)
+                dist.broadcast(buf, group=pg, group_src=0)
+                if buf is not t:
+                    t.copy_(buf.cpu())
+        rnd = torch.tensor([self.have_round], dtype=torch.int64, device=device)
+        dist.broadcast(rnd, group=pg, group_src=0)
+        self.have_round = int(rnd.item())
+
+    def push(self, link: RankLink | None, weight: float) -> None:
+        """Stream ``view - local`` of every piece (replica 0 only)."""
+        if not self.leader:
+            return
+        pieces = [(i, start, _Delta(self.view[i], local)) for i, local, start, _ in self.pieces]
+        link.upload(pieces, self.layout, weight, self.encoder)

@@ -1,0 +1,111 @@
+"""The group's side of the weights in Flower messages (the flower transport).
+
+In: the server's global weights (named arrays, or ``packed``: one flat vector in sorted-name
+order) are loaded into the sharded model from rank 0. Out: the trained weights are gathered to
+rank 0 and sent packed, or, with compression, as the compressed pseudo-gradient
+``global - trained`` with this group's error feedback. Formats: :mod:`flower_shard.flower.wire`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from flower_shard import protocol as P
+from flower_shard.config import TrainConfig
+from flower_shard.config.choices import NO_COMPRESSION
+from flower_shard.flower.group.faults import FORMAT_FAULTS, VALUE_FAULTS, inject_fault
+from flower_shard.flower.wire import flatten, pack, unpack
+from flower_shard.runtime import compression as Z
+from flower_shard.runtime.weights import full_state, load_full_state
+
+ERROR_FEEDBACK = "error_feedback"  # the residual's name in a group checkpoint's ``extra``
+
+
+def full_weights(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every rank: the full weights gathered to rank 0 as float32 arrays (empty elsewhere)."""
+    return {k: v.detach().float().numpy() for k, v in full_state(model).items()}
+
+
+def load_weights(
+    model: nn.Module, arrays: dict[str, np.ndarray], device: torch.device
+) -> dict[str, np.ndarray]:
+    """Every rank: load the full float32 arrays that rank 0 received into the sharded model;
+    returns them by name (rank 0; empty elsewhere).
+
+    Raises
+    ------
+    ValueError
+        ``packed`` weights that do not fit this model's shapes.
+    """
+    if P.PACKED in arrays:
+        shapes = {k: (tuple(v.shape), "") for k, v in model.state_dict().items()}
+        reason, arrays = unpack(arrays, shapes)
+        if reason:
+            raise ValueError(f"the server's weights do not fit this group's model: {reason}")
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    if device.type == "cuda":
+        state = {k: v.to(device) for k, v in state.items()}
+    load_full_state(model, state)
+    return arrays
+
+
+class FlowerExchange:
+    """Rank 0's part of the flower transport's reply, and the state compression keeps.
+
+    Without compression the reply is the trained weights, packed. With compression it is the
+    pseudo-gradient ``global - trained`` over all weights (flattened in sorted name order, as
+    the server reads it), compressed with error feedback: the residual of what compression lost
+    is carried into the next round and into the group's checkpoints (:meth:`extra`).
+
+    On failure: nothing here is collective; an exception fails the round's reply only.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.compressed = cfg.compression != NO_COMPRESSION
+        self.feedback: Z.ErrorFeedback | None = None
+        self.global_arrays: dict[str, np.ndarray] | None = None
+
+    def set_global(self, arrays: dict[str, np.ndarray]) -> None:
+        """The round's global weights (rank 0), the reference of the compressed delta."""
+        self.global_arrays = arrays if self.compressed else None
+
+    def reply(
+        self, trained: dict[str, np.ndarray], fault_file: str | None, rnd: int
+    ) -> dict[str, np.ndarray]:
+        """The arrays of the reply (rank 0; empty elsewhere), faults injected where the fault
+        file says (:mod:`~flower_shard.flower.group.faults`)."""
+        arrays = inject_fault(fault_file, rnd, trained, only=VALUE_FAULTS)
+        if self.compressed and arrays:
+            arrays = self.compressed_update(arrays)
+        elif arrays:  # rank 0: the wire format of the flower transport
+            arrays = {P.PACKED: pack(arrays)}
+        return inject_fault(fault_file, rnd, arrays, only=FORMAT_FAULTS)
+
+    def compressed_update(self, trained: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The compressed pseudo-gradient ``global - trained``, as the arrays of the reply."""
+        if self.global_arrays is None:
+            raise RuntimeError("compression needs the round's global weights; none were sent")
+        order = sorted(trained)
+        delta = flatten(self.global_arrays, order) - flatten(trained, order)
+        if self.feedback is None:  # the first round of the run (or after a restart)
+            self.feedback = self._feedback(delta.numel())
+        payload = self.feedback.compress(delta)
+        return {k: v.numpy() for k, v in payload.items()}
+
+    def extra(self) -> dict | None:
+        """What a group checkpoint keeps of this (rank 0's residual), or None."""
+        return {ERROR_FEEDBACK: self.feedback.residual} if self.feedback is not None else None
+
+    def restore(self, extra: dict) -> None:
+        """Take the residual back from a loaded checkpoint's ``extra`` (rank 0)."""
+        residual = extra.get(ERROR_FEEDBACK)
+        if residual is not None and self.rank == 0:
+            self.feedback = self._feedback(residual.numel())
+            self.feedback.residual.copy_(residual)
+
+    def _feedback(self, numel: int) -> Z.ErrorFeedback:
+        cfg = self.cfg
+        return Z.ErrorFeedback(cfg.compression, cfg.compression_chunk, numel, cfg.error_feedback)

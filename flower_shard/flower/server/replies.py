@@ -1,0 +1,388 @@
+"""Every reply the server reads, checked in one place before any of its values is used.
+
+A group's reply is a Flower Message from its ClientApp: a ``metrics`` record (what the group
+measured) and, with the flower transport, an ``arrays`` record (its weights or its compressed
+pseudo-gradient). Nothing in it is trusted: a node may run other code, a group may be broken,
+a message may be damaged. Each value the server reads is checked here for its type (an integer
+count is an ``int``, a measurement a number; never a bool, a string or a list), for being
+finite, and for a range the server can justify from what it sent (see :class:`ReplyRules`);
+arrays for their names, shapes, dtypes and finiteness. Checking yields typed values
+(:class:`TrainReply`); a failed check raises :class:`Rejected` with a one-line reason, and
+:func:`check_train_replies` turns any exception of one reply into that reply's rejection, so a
+bad reply never stops the round.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from logging import WARNING
+from typing import TypeVar
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+from flower_shard import protocol as P
+from flower_shard.flower.wire import Arrays, Spec, unflatten_flat, unpack
+
+MAX_GROUP_RANKS = 1 << 16
+"""The most ranks a group (K) can have: bounds the tokens a group can claim per step."""
+MAX_LOSS = 1e6
+"""Cross-entropy far above any real model's (ln of the vocabulary, about 12 for 150k tokens)."""
+MAX_BYTES = float(1 << 53)
+"""Bytes a rank can send in one round: 8 PiB, beyond any link (and exact in float64)."""
+MAX_PID = 1 << 22
+"""Linux's largest pid_max."""
+DELTA = "delta"
+"""A compressed reply's decoded pseudo-gradient: one flat float32 vector in sorted-name order."""
+
+
+class Rejected(ValueError):
+    """A reply the server cannot use; the message is the reason (one line)."""
+
+
+@dataclass(frozen=True)
+class ReplyRules:
+    """What a valid training reply of one round looks like, from what the server sent."""
+
+    asked: Mapping[str, int]
+    """Message id -> the node it was sent to: whom a reply (``reply_to_message_id``) is about.
+    Not the reply's sender: the SuperLink answers for a node it lost, as node 1."""
+    groups: Mapping[int, int]
+    """Node id -> the group index its message carried (a reply must report the same)."""
+    max_steps: int
+    """The round's T, or max-local-steps when time-budgeted: a group trains at most this."""
+    tokens_per_step: int
+    """batch-size x seq-len: the tokens one rank processes per step."""
+    max_lr: float
+    """The configured peak LR: warm-up and cosine never exceed it."""
+    max_seconds: float
+    """The longest a group can have worked on a round whose reply the server received (the
+    strategy allows twice round-timeout)."""
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_steps * self.tokens_per_step * MAX_GROUP_RANKS
+
+
+@dataclass(frozen=True)
+class Field:
+    """One metric the server reads: where it goes, its type and its range."""
+
+    attr: str
+    """The :class:`TrainReply` attribute it fills."""
+    key: str
+    """Its name in the reply (a protocol metric name)."""
+    integer: bool
+    """A count (must be an ``int``), or a measurement (an ``int`` or a ``float``)."""
+    low: float
+    high: Callable[[ReplyRules], float]
+    required: bool = True
+
+
+def _seconds(rules: ReplyRules) -> float:
+    return rules.max_seconds
+
+
+TRAIN_FIELDS = (
+    Field("group", P.GROUP, True, 0, lambda r: max(r.groups.values(), default=0)),
+    Field("steps", P.STEPS, True, 1, lambda r: r.max_steps),
+    Field("num_tokens", P.NUM_TOKENS, True, 1, lambda r: r.max_tokens),
+    Field("train_loss", P.TRAIN_LOSS, False, 0.0, lambda r: MAX_LOSS),
+    Field("lr", P.LR, False, 0.0, lambda r: r.max_lr),
+    Field("compute_s", P.COMPUTE_S, False, 0.0, _seconds),
+    Field("intra_comm_s", P.INTRA_COMM_S, False, 0.0, _seconds),
+    Field("intra_bytes", P.INTRA_BYTES, False, 0.0, lambda r: MAX_BYTES),
+    Field("group_round_s", P.GROUP_ROUND_S, False, 0.0, _seconds),
+    Field("clientapp_pid", P.CLIENTAPP_PID, True, 0, lambda r: MAX_PID, required=False),
+)
+"""What every training reply carries (the group's train call and its ClientApp)."""
+SYNC_FIELDS = (
+    Field("outer_sync_s", P.OUTER_SYNC_S, False, 0.0, _seconds),
+    Field("outer_sync_bytes", P.OUTER_SYNC_BYTES, False, 0.0, lambda r: MAX_BYTES),
+)
+"""What a group reports of a cross-group sync it ran itself (the collective transport)."""
+EVAL_FIELD = Field("eval_loss", P.EVAL_LOSS, False, 0.0, lambda r: MAX_LOSS)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The arrays of a reply, checked and decoded, as the transport's aggregation reads them."""
+
+    arrays: dict[str, np.ndarray]
+    """The model's named arrays, or ``{DELTA: flat pseudo-gradient}`` (compressed)."""
+    nbytes: int
+    """The size of the ``arrays`` record as it crossed Flower."""
+    decode_s: float
+    """The server's time to check and decode it (a part of the flower transport's sync)."""
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    """A checked training reply: every value the server reads, typed and in range."""
+
+    node: int
+    group: int
+    steps: int
+    num_tokens: int
+    train_loss: float
+    lr: float
+    compute_s: float
+    intra_comm_s: float
+    intra_bytes: float
+    group_round_s: float
+    clientapp_pid: int = 0
+    outer_sync_s: float = 0.0
+    outer_sync_bytes: float = 0.0
+    payload: Payload | None = None
+
+
+PayloadCheck = Callable[[RecordDict], Payload]
+T = TypeVar("T")
+
+
+def check_train_reply(
+    msg: Message,
+    rules: ReplyRules,
+    fields: tuple[Field, ...] = TRAIN_FIELDS,
+    payload: PayloadCheck | None = None,
+) -> TrainReply:
+    """The checked values of one training reply; raises :class:`Rejected` with the reason.
+
+    ``fields``: the metrics to read (:data:`TRAIN_FIELDS` plus the transport's own);
+    ``payload``: the transport's check of the arrays, if its replies carry any.
+    """
+    node = rules.asked.get(msg.metadata.reply_to_message_id)
+    if node is None:
+        raise Rejected("a reply to no message of this round")
+    content = reply_content(msg)
+    if msg.metadata.src_node_id != node:
+        raise Rejected(f"a reply from node {msg.metadata.src_node_id} to node {node}'s message")
+    values = check_metrics(metric_record(content), fields, rules)
+    if values["group"] != rules.groups[node]:
+        raise Rejected(
+            f"metric {P.GROUP!r} is {values['group']}, but the node was sent group "
+            f"{rules.groups[node]}"
+        )
+    return TrainReply(node=node, **values, payload=payload(content) if payload else None)
+
+
+def check_train_replies(
+    server_round: int,
+    replies: Iterable[Message],
+    rules: ReplyRules,
+    fields: tuple[Field, ...] = TRAIN_FIELDS,
+    payload: PayloadCheck | None = None,
+) -> tuple[list[TrainReply], list[str]]:
+    """The round's valid training replies and, for each other one, ``node N: reason``."""
+    return screen(
+        server_round,
+        MessageType.TRAIN,
+        replies,
+        lambda msg: check_train_reply(msg, rules, fields, payload),
+        rules.asked,
+    )
+
+
+def check_eval_reply(msg: Message) -> float:
+    """The held-out loss of a group's evaluation reply; raises :class:`Rejected`."""
+    value = check_metrics(metric_record(reply_content(msg)), (EVAL_FIELD,), None)
+    return float(value[EVAL_FIELD.attr])
+
+
+def check_eval_replies(
+    server_round: int, replies: Iterable[Message], asked: Mapping[str, int]
+) -> tuple[list[float], list[str]]:
+    """The held-out losses of the valid evaluation replies, and a line per other one."""
+    return screen(server_round, MessageType.EVALUATE, replies, check_eval_reply, asked)
+
+
+def screen(
+    server_round: int,
+    phase: str,
+    replies: Iterable[Message],
+    check: Callable[[Message], T],
+    asked: Mapping[str, int],
+) -> tuple[list[T], list[str]]:
+    """``check`` each reply of a phase (a Flower message type): the values of the valid ones,
+    and a line per other one, naming the node it is about (``asked``: message id -> node),
+    also logged. Never raises: whatever one reply makes the check raise rejects that reply
+    only."""
+    ok, rejected = [], []
+    for msg in replies:
+        try:
+            ok.append(check(msg))
+            continue
+        except Rejected as exc:
+            reason = str(exc)
+        except Exception as exc:  # a reply no check foresaw: still only this reply's problem
+            reason = f"unreadable reply ({type(exc).__name__}: {exc})"
+        rejected.append(reject(server_round, phase, addressee(msg, asked), reason))
+    return ok, rejected
+
+
+def reject(server_round: int, phase: str, node: object, reason: str) -> str:
+    """Log a rejected reply of a phase (a Flower message type); return its line for the round's
+    ``rejected`` list: ``node N: reason`` (training), ``node N: evaluate: reason``."""
+    log(
+        WARNING, "round %s: rejected the %s reply of node %s: %s", server_round, phase, node, reason
+    )
+    return (
+        f"node {node}: {reason}"
+        if phase == MessageType.TRAIN
+        else f"node {node}: {phase}: {reason}"
+    )
+
+
+def addressee(msg: object, asked: Mapping[str, int]) -> object:
+    """The node a reply is about: the one its message went to, else its sender, else ``?``."""
+    try:
+        return asked.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+    except Exception:  # not a Message at all
+        return "?"
+
+
+def asked_nodes(messages: Iterable[Message]) -> dict[str, int]:
+    """Message id -> destination node, for messages the Grid has pushed (it sets the ids)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+
+
+# -- records and metrics ------------------------------------------------------------------------
+
+
+def reply_content(msg: Message) -> RecordDict:
+    """A reply's content; an error reply is rejected with the error's reason."""
+    if msg.has_error():
+        raise Rejected(f"error reply: {msg.error.reason}")
+    return msg.content
+
+
+def metric_record(content: RecordDict) -> Mapping:
+    if P.METRICS not in content:
+        raise Rejected(f"no {P.METRICS!r} record")
+    record = content[P.METRICS]
+    # A ConfigRecord is read too (its strings and bools are then refused value by value).
+    if not isinstance(record, (MetricRecord, ConfigRecord)):
+        raise Rejected(f"{P.METRICS!r} is a {type(record).__name__}, not a MetricRecord")
+    return record
+
+
+def check_metrics(
+    record: Mapping, fields: tuple[Field, ...], rules: ReplyRules | None
+) -> dict[str, int | float]:
+    """Attribute -> checked value for each field present (a missing required one: rejected)."""
+    values = {}
+    for f in fields:
+        if f.key not in record:
+            if f.required:
+                raise Rejected(f"metric {f.key!r} missing")
+            continue
+        values[f.attr] = check_number(f.key, record[f.key], f.integer, f.low, f.high(rules))
+    return values
+
+
+def check_number(key: str, value: object, integer: bool, low: float, high: float) -> int | float:
+    """``value`` if it is a number of the right kind, finite and in [low, high]."""
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise Rejected(f"metric {key!r} must be {kind}, got {type(value).__name__} {_show(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise Rejected(f"metric {key!r} is {value}")
+    if not low <= value <= high:
+        raise Rejected(f"metric {key!r} is {_show(value)}, outside [{low:g}, {high:.6g}]")
+    return value
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- arrays ---------------------------------------------------------------------------------------
+
+
+def array_record(content: RecordDict, why: str) -> tuple[dict[str, np.ndarray], int]:
+    """The named numpy arrays of a reply's ``arrays`` record, and its size on the wire."""
+    if P.ARRAYS not in content:
+        raise Rejected(f"no {P.ARRAYS!r} record ({why})")
+    record = content[P.ARRAYS]
+    if not isinstance(record, ArrayRecord):
+        raise Rejected(f"{P.ARRAYS!r} is a {type(record).__name__}, not an ArrayRecord")
+    try:
+        arrays = {k: v.numpy() for k, v in record.items()}
+    except Exception as exc:  # a malformed Array fails to decode
+        raise Rejected(f"undecodable arrays: {type(exc).__name__}: {exc}") from None
+    return arrays, record.count_bytes()
+
+
+def check_arrays(arrays: Arrays, expected: Spec) -> str | None:
+    """Why a group's weights cannot be used, or None if they can.
+
+    Checks, in order: missing keys, extra keys, shapes, dtypes, non-finite values.
+    """
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        return f"missing arrays {missing[:3]}{'...' if len(missing) > 3 else ''}"
+    extra = sorted(set(arrays) - set(expected))
+    if extra:
+        return f"unexpected arrays {extra[:3]}{'...' if len(extra) > 3 else ''}"
+    for name, (shape, dtype) in expected.items():
+        a = arrays[name]
+        if tuple(a.shape) != shape:
+            return f"{name} has shape {tuple(a.shape)}, expected {shape}"
+        if str(a.dtype) != dtype:
+            return f"{name} has dtype {a.dtype}, expected {dtype}"
+    for name, a in arrays.items():
+        if not np.isfinite(a).all():
+            return f"{name} has non-finite values"
+    return None
+
+
+def named_weights(content: RecordDict, expected: Spec) -> dict[str, np.ndarray]:
+    """A model's full weights, one Array per tensor (the collective transport's final model)."""
+    arrays, _ = array_record(content, "the group sent no weights")
+    reason = check_arrays(arrays, expected)
+    if reason:
+        raise Rejected(reason)
+    return arrays
+
+
+def packed_weights(content: RecordDict, expected: Spec) -> Payload:
+    """A group's trained weights in the flower transport's wire format (one packed Array)."""
+    start = time.perf_counter()
+    arrays, nbytes = array_record(content, "transport flower needs the weights")
+    reason, arrays = unpack(arrays, expected)
+    reason = reason or check_arrays(arrays, expected)
+    if reason:
+        raise Rejected(reason)
+    return Payload(arrays, nbytes, time.perf_counter() - start)
+
+
+def compressed_delta(content: RecordDict, expected: Spec, kind: str, chunk: int) -> Payload:
+    """A group's compressed pseudo-gradient (``global - trained``), decoded to
+    ``{DELTA: flat float32}`` in sorted-name order."""
+    import torch
+
+    from flower_shard.runtime import compression as Z
+
+    start = time.perf_counter()
+    arrays, nbytes = array_record(content, "transport flower needs the update")
+    if any(a.dtype.kind not in "fiub" for a in arrays.values()):
+        raise Rejected(f"compressed payload has non-numeric arrays {sorted(arrays)}")
+    payload = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    numel = sum(math.prod(shape) for shape, _ in expected.values())
+    reason = Z.check_payload(payload, kind, numel, chunk)
+    if reason:
+        raise Rejected(reason)
+    delta = Z.decompress(payload, kind, chunk).numpy()
+    if not np.isfinite(delta).all():  # finite int8 scales can still overflow float32
+        raise Rejected("the decoded update has non-finite values")
+    return Payload({DELTA: delta}, nbytes, time.perf_counter() - start)
+
+
+def delta_arrays(delta: np.ndarray, expected: Spec) -> dict[str, np.ndarray]:
+    """A decoded flat pseudo-gradient cut into the model's named arrays (sorted-name order)."""
+    return unflatten_flat(delta, expected, sorted(expected))

@@ -1,0 +1,68 @@
+"""Under torchrun: one group of the tiny model (FSDP, or HSDP when argv says so) pulls the global
+model from real aggregators, moves its weights, pushes its pseudo-gradient, and pulls again.
+
+argv: ADDRESSES SECRET ROUND SHARDING OUT_DIR. Writes, from rank 0, what the group held after
+each pull (full tensors, gathered with DTensor.full_tensor) and what it pushed.
+"""
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from common import full_state
+
+from flower_shard.dataplane import tickets
+from flower_shard.dataplane.client import RankLink
+from flower_shard.dataplane.layout import Layout
+from flower_shard.dataplane.rank import RankExchange
+from flower_shard.runtime.models import build_model
+from flower_shard.runtime.parallelize import parallelize
+from flower_shard.runtime.topology import Topology
+
+addresses, secret, first, sharding, out = sys.argv[1:6]
+first = int(first)
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+world = dist.get_world_size()
+replicate = 2 if sharding == "hsdp" else 1
+topo = Topology(world, 1, sharding, replicate)
+mesh = topo.build_mesh("cpu")
+model = build_model("tiny", 257, seed=1, max_positions=32)  # not the aggregators' weights
+parallelize(model, topo.sharding_mesh(mesh))
+layout = Layout.from_json(json.load(open(f"{out}/layout.json")))
+ex = RankExchange(model, layout, "none", 2048, True, topo.replicate_group(mesh))
+
+
+def link(rnd):
+    token = tickets.group_token(secret, "run-1", rnd, 0)
+    t = tickets.Ticket("run-1", rnd, 0, token, tuple(addresses.split(",")), False)
+    return RankLink(t, dist.get_rank())
+
+
+# The test opens round `first` before starting us, and `first + 1` once we said "pushed".
+mode = ex.pull(link(first))
+pulled = full_state(model)
+with torch.no_grad():
+    for p in model.parameters():
+        p.mul_(0.5)  # a deterministic "training": the pseudo-gradient is half the weights
+moved = full_state(model)
+ex.push(link(first), weight=100.0)
+dist.barrier()
+if dist.get_rank() == 0:
+    torch.save({"mode": mode, "pulled": pulled, "moved": moved}, f"{out}/first.pt")
+    open(f"{out}/pushed", "w").close()
+while True:  # wait for the next round to open
+    import os
+    import time
+
+    if os.path.exists(f"{out}/next"):
+        break
+    time.sleep(0.1)
+mode = ex.pull(link(first + 1))
+if dist.get_rank() == 0:
+    torch.save({"mode": mode, "pulled": full_state(model)}, f"{out}/second.pt")
+else:
+    full_state(model)  # every rank joins the gather
+dist.barrier()
+dist.destroy_process_group()
