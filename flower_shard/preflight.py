@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flower_shard import protocol as P
 from flower_shard import runfiles
 from flower_shard.config import choices as C
 from flower_shard.config.presets import PRESETS
@@ -57,6 +58,15 @@ def check_federation(fed: FederationConfig) -> FederationConfig:
     """:func:`check` for the ServerApp's side of a Flower run (a stand-in topology: the groups
     check their own when a run reaches them); returns ``fed``."""
     check(dataclasses.replace(fed.train, groups=1, nproc_per_group=1, nnodes=1))
+    if fed.transport == P.STREAMING:
+        for flag, path in (
+            ("dataplane-certfile", fed.dataplane_certfile),
+            ("dataplane-keyfile", fed.dataplane_keyfile),
+            ("dataplane-ca-certfile", fed.dataplane_ca_certfile),
+            ("aggregator-secret-file", fed.aggregator_secret_file),
+        ):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
     return fed
 
 
@@ -131,6 +141,7 @@ def prepare_for(directory: str | Path, cfg: TrainConfig) -> CorpusInfo:
         cfg.eval_fraction,
         cfg.text_column,
         cfg.partition_label,
+        workers=cfg.data_workers,
     )
     check_fits(info, cfg)
     return info

@@ -19,7 +19,7 @@ from __future__ import annotations
 FLOWER = "flower"  # weights inside Flower Messages
 COLLECTIVE = "collective"  # groups all-reduce their shards; Flower carries configs only
 STREAMING = "streaming"  # every rank streams its shard to the aggregators over grpcio
-TRANSPORTS = (FLOWER, COLLECTIVE)  # STREAMING joins with its server side
+TRANSPORTS = (FLOWER, COLLECTIVE, STREAMING)
 
 # -- records inside a Flower Message ---------------------------------------------------------
 ARRAYS = "arrays"

@@ -33,7 +33,10 @@ class FederationConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """The run as a group sees it (model, data, T, rounds, outer optimizer, ...)."""
     transport: str = choice(P.FLOWER, P.TRANSPORTS)
-    """`flower`: weights travel in Flower Messages; `collective`: groups all-reduce shards."""
+    """`flower`: weights travel in Flower Messages (small and medium models, any Flower
+    deployment); `collective`: groups all-reduce shards (inside one cluster); `streaming`: every
+    rank streams its shard to aggregator processes over gRPC, Flower carries only a ticket
+    (large models across sites)."""
     min_groups: int = 1
     """A round updates the global model only if at least this many groups replied validly."""
     round_seconds: float = 0.0
@@ -60,6 +63,32 @@ class FederationConfig:
     """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate."""
     group_addresses: str = ""
     """Simulation only: the groups' addresses, comma-separated, one per virtual client."""
+    aggregators: int = 1
+    """Streaming transport: aggregator processes the ServerApp starts on its host, each owning
+    about 1/A of the parameters (and their outer state), each on its own port of
+    `dataplane-host`."""
+    aggregator_addresses: str = ""
+    """Streaming transport: HOST:PORT of aggregators started on other hosts (`python -m
+    flower_shard.dataplane.aggregator`), comma-separated; instead of starting `aggregators`."""
+    aggregator_secret_file: str = ""
+    """With `aggregator-addresses`: the run-secret file those aggregators were started with
+    (owner-only)."""
+    dataplane_host: str = "127.0.0.1"
+    """Streaming transport: the address the ServerApp's aggregators listen on, and only there;
+    the groups dial it (give the server's address that the sites can reach)."""
+    dataplane_certfile: str = ""
+    """Streaming transport: the aggregators' TLS certificate (PEM; the SuperLink's will do)."""
+    dataplane_keyfile: str = ""
+    """Streaming transport: its private key."""
+    dataplane_ca_certfile: str = ""
+    """Streaming transport: the CA that signed it (the ServerApp verifies its aggregators with
+    it; each node verifies them with its own `--root-certificates`)."""
+    dataplane_insecure: bool = False
+    """Streaming transport without TLS: on purpose only (loopback tests and demos)."""
+    downlink_compression: str = choice(C.NO_COMPRESSION, C.COMPRESSIONS)
+    """Streaming transport: how the global model reaches the groups each round: `none` (float32
+    snapshots of their shards) or, `bf16` / `int8`, the delta since their last global model,
+    compressed, with server-side error feedback (a new or rejoining group gets a snapshot)."""
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> FederationConfig:
@@ -110,10 +139,43 @@ class FederationConfig:
         host, _, port = self.collective_address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"collective-address {self.collective_address!r} must be HOST:PORT")
+        if self.transport == P.STREAMING:
+            self._validate_dataplane()
+        elif self.downlink_compression != C.NO_COMPRESSION:
+            raise ConfigError(
+                f"downlink-compression applies to transport {P.STREAMING!r} only; drop it or set "
+                f"transport = {P.STREAMING!r}"
+            )
         # The group-level field checks (T, rounds, ...) with a stand-in topology; the ones that
         # need I/O are flower_shard.preflight.check_federation's.
         dataclasses.replace(self.train, groups=1, nproc_per_group=1, nnodes=1).validate()
         return self
+
+    def _validate_dataplane(self) -> None:
+        if not isinstance(self.aggregators, int) or not 1 <= self.aggregators <= 256:
+            raise ConfigError(f"aggregators must be an integer in [1, 256], got {self.aggregators}")
+        for address in self.remote_aggregators():
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"aggregator-addresses: {address!r} is not HOST:PORT")
+        if self.aggregator_addresses and not self.aggregator_secret_file:
+            raise ConfigError(
+                "aggregator-addresses needs aggregator-secret-file: the secret those "
+                "aggregators were started with"
+            )
+        if not self.dataplane_host:
+            raise ConfigError("dataplane-host must be an address the sites can reach")
+        tls = (self.dataplane_certfile, self.dataplane_keyfile, self.dataplane_ca_certfile)
+        if not self.dataplane_insecure and not all(tls):
+            raise ConfigError(
+                "transport streaming needs TLS: set dataplane-certfile, dataplane-keyfile and "
+                "dataplane-ca-certfile (the SuperLink's will do), or dataplane-insecure = true "
+                "on purpose (loopback only)"
+            )
+
+    def remote_aggregators(self) -> list[str]:
+        """The addresses of aggregators on other hosts (empty: the ServerApp starts its own)."""
+        return [a.strip() for a in self.aggregator_addresses.split(",") if a.strip()]
 
     def group_config(self) -> dict:
         """The run config that every train/evaluate message carries to the groups."""

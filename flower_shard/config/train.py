@@ -88,6 +88,10 @@ class TrainConfig:
     group; 100: close to iid)."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
+    data_workers: int = 0
+    """Processes that tokenise the corpus, each streaming its pieces to disk in bounded memory
+    (0: one per core). A host tokenises a corpus once: runs and nodes share the result through
+    the cache in $FLOWER_SHARD_CACHE (default ~/.cache/flower-shard; `none` turns it off)."""
     eval_fraction: float = 0.05
     """Fraction of documents held out for evaluation (text files, or records of .jsonl / .parquet
     files; chosen by a hash of the file's path and the record's index)."""
@@ -168,6 +172,11 @@ class TrainConfig:
         ):
             _positive(flag, value)
         check_choices(self)
+        if not isinstance(self.data_workers, int) or not 0 <= self.data_workers <= 1024:
+            raise ConfigError(
+                f"--data-workers must be an integer in [0, 1024] (0: one per core), got "
+                f"{self.data_workers!r}"
+            )
         if self.world_size % self.nnodes:
             raise ConfigError(
                 f"--nnodes {self.nnodes} does not divide the world size N = G x K = "

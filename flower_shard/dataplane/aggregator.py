@@ -8,8 +8,10 @@ Three calls (generic handlers, raw bytes, no generated code):
   rejected is refused at once; a bad frame rejects the group (all its ranks' frames, here) and
   ends the stream with the reason. Frames are read one at a time as gRPC delivers them (its flow
   control holds a fast sender back), so memory does not follow the sender's pace.
-- ``Download`` (a rank's request): JSON with the ranks's token, the element ranges of its shard
-  and the round of its last global model; answered with a stream of frames.
+- ``Download`` (a rank's request): JSON with the rank's token, the element ranges of its shard
+  and the round of its last global model; answered with a JSON header (full snapshot, delta,
+  or nothing new) and a stream of frames. The ServerApp, with the control token, may download
+  any range at any time (the final model).
 - ``Control`` (the ServerApp): JSON commands carrying the control token (configure, begin,
   status, commit, save, load, shutdown).
 
@@ -22,6 +24,7 @@ It listens on exactly the address it is given, with TLS unless started insecure 
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import signal
 import sys
@@ -95,12 +98,14 @@ class DataPlaneService:
             run, rnd = str(req["run"]), int(req["round"])
             group, rank = int(req["group"]), int(req["rank"])
             ranges = [(int(p), int(a), int(b)) for p, a, b in req["ranges"]]
+            str(req["token"])
             have = int(req.get("have_round", -1))
         except (ValueError, KeyError, TypeError) as exc:
             context.abort(_invalid(), f"malformed download request ({exc})")
-        if self.state is None or run != self.run or rnd != self.state.open_round:
+        server = hmac.compare_digest(str(req.get("token", "")), tickets.control_token(self.secret))
+        if self.state is None or (not server and (run != self.run or rnd != self.state.open_round)):
             context.abort(_denied(), f"round {rnd} of run {run!r} is not open")
-        if not tickets.valid(self.secret, run, rnd, group, rank, req.get("token", "")):
+        if not server and not tickets.valid(self.secret, run, rnd, group, rank, req["token"]):
             context.abort(_denied(), "a wrong token for this run, round, group and rank")
         mode = self.state.mode(have)
         kind = self.state.downlink if mode == "delta" else C.NO_COMPRESSION

@@ -50,11 +50,15 @@ class UplinkEncoder:
     residual: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     sent_bytes: int = 0
     """Bytes of the frames made so far (the caller zeroes it per round)."""
+    on_frame: object = None
+    """Called before each frame is made (fault injection in tests and drills); None: nothing."""
 
     def frames(self, param: int, start: int, values: np.ndarray):
         """Frames for ``values`` of ``param`` from ``start`` (chunked, quantized)."""
         for a in range(0, values.size, wire.CHUNK_VALUES):
             chunk = values[a : a + wire.CHUNK_VALUES]
+            if self.on_frame is not None:
+                self.on_frame()
             key = (param, start + a)
             if self.kind != C.NO_COMPRESSION and self.feedback and key in self.residual:
                 chunk = chunk + self.residual[key]

@@ -58,6 +58,14 @@ class Layout:
     def index(self) -> dict[str, Param]:
         return {p.name: p for p in self.params}
 
+    def digest(self) -> str:
+        """A short hash of the names, shapes and owners: two parties with the same digest cut
+        the model the same way (the ticket carries the server's)."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.to_json()).encode()).hexdigest()[:16]
+
     def to_json(self) -> dict:
         return {
             "aggregators": self.aggregators,

@@ -27,9 +27,18 @@ log = logging.getLogger(__name__)
 class AggregatorPool:
     """A of them: ``addresses[i]`` is aggregator i."""
 
-    def __init__(self, addresses: list[str], secret: str, tls: tuple | None, root: bytes | None):
+    def __init__(
+        self,
+        addresses: list[str],
+        secret: str,
+        tls: tuple | None,
+        root: bytes | None,
+        call_timeout: float = 600.0,
+    ):
         self.addresses, self.secret = list(addresses), secret
         self.tls, self.root = tls, root
+        self.call_timeout = call_timeout
+        """Seconds a control call may take (a commit folds every group's update)."""
         self.processes: list = []
         self.clients = [ControlClient(a, secret, root, tls is not None) for a in self.addresses]
 
@@ -42,6 +51,7 @@ class AggregatorPool:
         tls: tuple[str, str] | None,
         root: bytes | None,
         ready_timeout: float = 120.0,
+        call_timeout: float = 600.0,
     ) -> AggregatorPool:
         """Start ``count`` aggregator processes on ``host`` (free ports), with a fresh secret."""
         from flower_shard.launch.processes import ManagedProcess, free_port
@@ -61,7 +71,7 @@ class AggregatorPool:
             cmd += ["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else ["--insecure"]
             processes.append(ManagedProcess(f"aggregator{i}", cmd, work_dir / f"agg{i}.log"))
             addresses.append(address)
-        pool = cls(addresses, secret, tls, root)
+        pool = cls(addresses, secret, tls, root, call_timeout)
         pool.processes = processes
         try:
             pool.wait_ready(ready_timeout)
@@ -88,31 +98,41 @@ class AggregatorPool:
 
     def configure(self, run: str, layout: Layout, settings: dict, init: dict) -> None:
         for i, client in enumerate(self.clients):
-            client("configure", run=run, layout=layout.to_json(), index=i, init=init, **settings)
+            log.info("configuring aggregator %d at %s", i, self.addresses[i])
+            client(
+                "configure",
+                timeout=self.call_timeout,
+                run=run,
+                layout=layout.to_json(),
+                index=i,
+                init=init,
+                **settings,
+            )
 
     def begin(self, rnd: int) -> None:
         for client in self.clients:
-            client("begin", round=rnd)
+            client("begin", timeout=self.call_timeout, round=rnd)
 
     def status(self) -> dict[int, list[dict]]:
         """Group -> its status on every aggregator (a group absent from one is not complete)."""
         out: dict[int, list[dict]] = {}
         for i, client in enumerate(self.clients):
-            for g, s in client("status")["groups"].items():
+            for g, s in client("status", timeout=self.call_timeout)["groups"].items():
                 out.setdefault(int(g), [{} for _ in self.clients])[i] = s
         return out
 
     def commit(self, rnd: int, accepted: dict[int, float]) -> None:
         for client in self.clients:
-            client("commit", round=rnd, accepted={str(g): w for g, w in accepted.items()})
+            accepted_json = {str(g): w for g, w in accepted.items()}
+            client("commit", timeout=self.call_timeout, round=rnd, accepted=accepted_json)
 
     def save(self, directory: Path) -> None:
         for i, client in enumerate(self.clients):
-            client("save", dir=str(directory / f"aggregator_{i}"))
+            client("save", timeout=self.call_timeout, dir=str(directory / f"aggregator_{i}"))
 
     def load(self, directory: Path) -> None:
         for i, client in enumerate(self.clients):
-            client("load", dir=str(directory / f"aggregator_{i}"))
+            client("load", timeout=self.call_timeout, dir=str(directory / f"aggregator_{i}"))
 
     def stop(self) -> None:
         for client in self.clients:

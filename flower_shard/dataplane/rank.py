@@ -4,7 +4,8 @@ shards, push its pseudo-gradient from them.
 Each rank holds, besides its FSDP2 shards, its **view**: the flat float32 values of the last
 global model it loaded, for exactly the element ranges its shards hold (M / K per rank). At the
 start of a round it pulls the global model: a full snapshot (first round, after a restart, or
-after missing a round) replaces the view, a compressed delta is added to it; the shards then
+after missing a round) replaces the view, a compressed delta is added to it, and nothing comes
+when the view already is the last committed model (the group evaluated it); the shards then
 take the view's values, in place. At the end of the round it pushes ``view - local``, chunk by
 chunk (computed per chunk: no second copy of the shard), through the uplink encoder (error
 feedback per rank when compressed).
@@ -98,6 +99,9 @@ class RankExchange:
                 target.copy_(torch.from_numpy(view[at : at + values.size]).to(target.device))
 
             mode, rnd, _ = link.download(self.ranges(), self.layout, self.have_round, sink=sink)
+            if mode == "current":  # nothing new: back to the global model it already holds
+                for i, local, _, _ in self.pieces:
+                    local.copy_(torch.from_numpy(self.view[i]).to(local.device))
             self.have_round = rnd
         if self.replicate_pg is not None:
             self._share_with_replicas()

@@ -180,8 +180,11 @@ class AggregatorState:
     # -- downlink ------------------------------------------------------------------------
 
     def mode(self, have_round: int) -> str:
-        """``delta`` for a rank whose last global model is exactly the previous round's (and a
+        """``current`` for a rank that already holds the last committed round's model (it
+        evaluated it), ``delta`` for one whose last global model is the round before (with a
         compressed downlink), else ``full``."""
+        if have_round == self.round and have_round >= 0:
+            return "current"
         if self.view is not None and self.delta is not None and have_round == self.delta_round - 1:
             return "delta"
         return "full"
@@ -193,6 +196,8 @@ class AggregatorState:
         p = self.by_index.get(param)
         if p is None or not 0 <= start <= stop <= p.numel:
             raise ValueError(f"no elements [{start}, {stop}) of parameter {param} here")
+        if mode == "current":
+            return
         at = self.offsets[param]
         source = self.view if self.view is not None else self.weights
         k = self.params.index(p)

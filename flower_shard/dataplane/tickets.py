@@ -55,6 +55,9 @@ class Ticket:
     """Aggregator i listens at addresses[i]."""
     tls: bool
     """Whether to dial with TLS (the root certificate comes from the node's own settings)."""
+    layout: str = ""
+    """The digest of the server's layout (:meth:`~.layout.Layout.digest`): a group whose model
+    is cut otherwise (another vocabulary) refuses to stream instead of sending garbage."""
 
     def to_config(self) -> dict:
         return {
@@ -64,6 +67,7 @@ class Ticket:
             "token": self.token,
             "addresses": ",".join(self.addresses),
             "tls": self.tls,
+            "layout": self.layout,
         }
 
     @classmethod
@@ -75,4 +79,5 @@ class Ticket:
             token=str(config["token"]),
             addresses=tuple(a for a in str(config["addresses"]).split(",") if a),
             tls=bool(config["tls"]),
+            layout=str(config.get("layout", "")),
         )

@@ -186,8 +186,10 @@ def save_server(
     outer_state: dict,
     state: dict,
     keep: int = 0,
+    extra=None,
 ) -> Path:
-    """Save the server's state after round ``rnd`` (``state`` must be JSON-able)."""
+    """Save the server's state after round ``rnd`` (``state`` must be JSON-able); ``extra``,
+    when given, writes more files into the staging directory before it is committed."""
     import torch
     from safetensors.numpy import save_file
 
@@ -196,6 +198,8 @@ def save_server(
     torch.save(outer_state, tmp / SERVER_OUTER)
     full = {"round": rnd, "rng": rng_state(), **state}
     (tmp / SERVER_STATE).write_text(json.dumps(full, indent=1))
+    if extra is not None:
+        extra(tmp)
     return commit(tmp, root, rnd, keep)
 
 

@@ -8,7 +8,9 @@ good again. KIND:
   before any compression);
 - ``shape``: one array loses a row; ``missing``: one array is left out; ``extra``: an
   unexpected array is added (what goes on the wire);
-- ``die``: every rank of the group is killed (SIGKILL) just before the cross-group sync.
+- ``die``: every rank of the group is killed (SIGKILL) just before the cross-group sync;
+- ``die-upload``: every rank of the group is killed in the middle of its streaming upload, once
+  its first chunk has gone (the aggregators hold part of the group's update).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ SHAPE = "shape"
 MISSING = "missing"
 EXTRA = "extra"
 DIE = "die"
+DIE_UPLOAD = "die-upload"
 
 VALUE_FAULTS = (NAN, HUGE)  # spoil the weights themselves (before any compression)
 FORMAT_FAULTS = (SHAPE, MISSING, EXTRA)  # spoil what goes on the wire
@@ -71,3 +74,18 @@ def inject_death(fault_file: str | None, server_round: int) -> None:
     cross-group sync of that round, so the whole group dies."""
     if DIE in fault_kinds(fault_file, server_round):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def upload_hook(fault_file: str | None, server_round: int):
+    """``ROUND:die-upload``: a callback for each chunk a rank streams, which kills the rank
+    (SIGKILL) once one chunk has gone; None when the fault file says nothing of it."""
+    if DIE_UPLOAD not in fault_kinds(fault_file, server_round):
+        return None
+    sent = [0]
+
+    def on_chunk() -> None:
+        sent[0] += 1
+        if sent[0] > 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_chunk

@@ -106,7 +106,9 @@ def next_command(worker: GroupWorker, server: ControlServer):
 def serve(args: argparse.Namespace) -> int:
     """Every rank: run the group's commands until the job is stopped."""
     work_dir = Path(args.work_dir)
-    worker = GroupWorker(work_dir, args.data, args.device, args.dump_dir, args.fault_file)
+    worker = GroupWorker(
+        work_dir, args.data, args.device, args.dump_dir, args.fault_file, args.root_certificates
+    )
     server = None
     if worker.rank == 0:
         server = ControlServer(args.address)
@@ -140,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=AUTO, choices=DEVICES)
     p.add_argument("--dump-dir", default=None, help="debug: write the weights of every round")
     p.add_argument("--fault-file", default=None, help="fault injection (see flower.group.faults)")
+    p.add_argument(
+        "--root-certificates",
+        default=None,
+        help="the CA of the streaming transport's aggregators (the node's --root-certificates)",
+    )
     args = p.parse_args(argv)
     logs.setup(prefix="flower-shard group")
     return serve(args)

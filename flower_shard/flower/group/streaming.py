@@ -43,11 +43,16 @@ class StreamExchange:
         self.exchange: RankExchange | None = None
         self.sent_bytes = 0
 
-    def _link(self, config: dict) -> tuple[RankLink, Layout]:
+    def _link(self, config: dict) -> RankLink:
         ticket = tickets.Ticket.from_config(json.loads(str(config[P.TICKET])))
         if self.exchange is None or self.exchange.layout.aggregators != len(ticket.addresses):
             shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
             layout = Layout.build(shapes, len(ticket.addresses))
+            if ticket.layout and layout.digest() != ticket.layout:
+                raise DataPlaneError(
+                    "this group's model is cut differently from the server's (another model, "
+                    "tokenizer or vocabulary): check the node's --data and the run's tokenizer"
+                )
             cfg = self.cfg
             self.exchange = RankExchange(
                 self.model,
@@ -57,29 +62,37 @@ class StreamExchange:
                 cfg.error_feedback,
                 self.replicate_pg,
             )
-        return RankLink(ticket, self.rank, self.root), self.exchange.layout
+        return RankLink(ticket, self.rank, self.root)
 
     def pull(self, config: dict, control) -> float:
         """Every rank: load the round's global model; the seconds it took."""
         start = time.perf_counter()
-        link, _ = self._link(config)
-        try:
-            failure = _attempt(lambda: self.exchange.pull(link if self.exchange.leader else None))
-        finally:
-            link.close()
-        _vote(failure, control, "pull")
+
+        def pull() -> None:
+            link = self._link(config)
+            try:
+                self.exchange.pull(link if self.exchange.leader else None)
+            finally:
+                link.close()
+
+        _vote(_attempt(pull), control, "pull")
         return time.perf_counter() - start
 
-    def push(self, config: dict, weight: int, control) -> tuple[float, int]:
-        """Every rank: stream the round's pseudo-gradient; (seconds, bytes this rank sent)."""
+    def push(self, config: dict, weight: int, control, on_frame=None) -> tuple[float, int]:
+        """Every rank: stream the round's pseudo-gradient; (seconds, bytes this rank sent).
+        ``on_frame`` is called before each chunk (fault injection)."""
         start = time.perf_counter()
-        link, _ = self._link(config)
-        self.exchange.encoder.sent_bytes = 0
-        try:
-            failure = _attempt(lambda: self.exchange.push(link, float(weight)))
-        finally:
-            link.close()
-        _vote(failure, control, "push")
+
+        def push() -> None:
+            link = self._link(config)
+            self.exchange.encoder.sent_bytes = 0
+            self.exchange.encoder.on_frame = on_frame
+            try:
+                self.exchange.push(link, float(weight))
+            finally:
+                link.close()
+
+        _vote(_attempt(push), control, "push")
         return time.perf_counter() - start, self.exchange.encoder.sent_bytes
 
 

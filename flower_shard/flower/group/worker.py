@@ -24,9 +24,11 @@ from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig, train_config_from_message
+from flower_shard.dataplane.client import DataPlaneError
 from flower_shard.flower.group import exchange
-from flower_shard.flower.group.faults import inject_death
+from flower_shard.flower.group.faults import inject_death, upload_hook
 from flower_shard.flower.group.resume import GroupCheckpoints, run_key
+from flower_shard.flower.group.streaming import StreamExchange
 from flower_shard.preflight import check, prepare_for
 from flower_shard.runtime.commit import sync_or_rollback
 from flower_shard.runtime.cross_group import CrossGroup, Membership
@@ -59,6 +61,8 @@ class GroupRun:
     """Collective transport: this rank's process group across the groups."""
     exchange: exchange.FlowerExchange | None = None
     """Flower transport: the reply's weights (and compression's state)."""
+    stream: StreamExchange | None = None
+    """Streaming transport: this rank's link to the aggregators (its view, its encoder)."""
 
 
 class GroupWorker:
@@ -77,9 +81,12 @@ class GroupWorker:
         device: str,
         dump_dir: str | None,
         fault_file: str | None = None,
+        root_certificates: str | None = None,
     ):
         self.work_dir, self.data, self.device_pref = work_dir, data, device
         self.dump_dir, self.fault_file = dump_dir, fault_file
+        self.root_certificates = root_certificates
+        """The CA that signed the streaming aggregators' certificate (the node's own)."""
         self.device = init_distributed(device)
         self.rank = dist.get_rank()
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -126,6 +133,11 @@ class GroupWorker:
             timeout = float(config.get(P.SYNC_TIMEOUT, FederationConfig.sync_timeout))
             cross = CrossGroup(str(config[P.COLLECTIVE_ADDRESS]), self.rank, self.device, timeout)
             self.run = GroupRun(key, GroupTrainer(cfg, place, data, outer), cross=cross)
+        elif config.get(P.TRANSPORT) == P.STREAMING:
+            trainer = GroupTrainer(cfg, place, data)
+            replicas = place.replicate_pg()
+            stream = StreamExchange(cfg, trainer.model, replicas, self.root_certificates)
+            self.run = GroupRun(key, trainer, stream=stream)
         else:
             flower = exchange.FlowerExchange(cfg, self.rank)
             self.run = GroupRun(key, GroupTrainer(cfg, place, data), exchange=flower)
@@ -149,13 +161,21 @@ class GroupWorker:
             if self.run.exchange is not None:  # compression replies with the delta from these
                 self.run.exchange.set_global(loaded)
             self.dump(config, "loaded")
+        pulled_s = 0.0
+        if self.run.stream is not None:  # the round's global model, from the aggregators
+            try:
+                pulled_s = self.run.stream.pull(config, self.control)
+            except DataPlaneError as exc:
+                return {P.H_ERROR: f"streaming: {exc}"}, {}
+            self.dump(config, "loaded" if method == P.TRAIN else "evaluated")
         if method == P.EVALUATE:
             return {P.H_METRICS: {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
-        return self.train(config)
+        return self.train(config, pulled_s)
 
-    def train(self, config: dict) -> tuple[dict, dict]:
-        """A round: the inner steps, then the cross-group sync (collective) or the weights to
-        send (flower), then a checkpoint when due."""
+    def train(self, config: dict, pulled_s: float = 0.0) -> tuple[dict, dict]:
+        """A round: the inner steps, then the cross-group sync (collective), the weights to
+        send (flower) or the pseudo-gradient to stream (streaming), then a checkpoint when
+        due."""
         t = self.trainer
         start = time.perf_counter()
         rnd = int(config[P.SERVER_ROUND])
@@ -166,6 +186,14 @@ class GroupWorker:
             failure = self.sync(config, steps, metrics)
             if failure is not None:  # the group lives on with its own weights; the server hears why
                 return {P.H_ERROR: f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
+        elif self.run.stream is not None:
+            self.dump(config, "trained")
+            hook = upload_hook(self.fault_file, rnd)
+            try:
+                pushed_s, sent = self.run.stream.push(config, steps.tokens, self.control, hook)
+            except DataPlaneError as exc:
+                return {P.H_ERROR: f"streaming: {exc}"}, {}
+            metrics |= {P.OUTER_SYNC_S: pulled_s + pushed_s, P.OUTER_SYNC_BYTES: sent}
         else:
             trained = exchange.full_weights(t.model)
             if self.rank == 0:

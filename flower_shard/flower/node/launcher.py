@@ -141,6 +141,8 @@ class Node:
             cmd += ["--dump-dir", self.cfg.dump_dir]
         if self.cfg.fault_file:
             cmd += ["--fault-file", self.cfg.fault_file]
+        if self.cfg.root_certificates:  # the streaming transport's aggregators use it too
+            cmd += ["--root-certificates", self.cfg.root_certificates]
         env = with_threads(env_with_bin(), k)
         self.group = ManagedProcess("group", cmd, self.work_dir / F.GROUP_LOG, env)
 

@@ -61,13 +61,32 @@ class HeldOutEvaluator:
         return MetricRecord({P.EVAL_LOSS: (total[0] / total[1]).item()})
 
 
-def initial_arrays(fed: FederationConfig, vocab_size: int) -> dict[str, np.ndarray]:
-    """The first global model: the preset built from the run's seed, as float32 arrays."""
-    from flower_shard.runtime.models import build_model
+def initial_arrays(fed: FederationConfig, out: Path) -> dict[str, np.ndarray]:
+    """The first global model as float32 arrays, without a second copy: the model built from
+    the run's seed (the arrays are views of its tensors), or, for a preset built on the meta
+    device (the 8B one), each parameter drawn on its own as the streaming aggregators draw it
+    (:mod:`flower_shard.dataplane.init`)."""
+    from flower_shard.dataplane.init import initial_weights
+    from flower_shard.dataplane.layout import Param
+    from flower_shard.runtime.models import build_model, is_meta
 
     t = fed.train
-    model = build_model(t.model, vocab_size, t.seed, t.seq_len)
+    vocab = run_vocab_size(fed, out)
+    model = build_model(t.model, vocab, t.seed, t.seq_len)
+    if is_meta(model):
+        spec = {"kind": "model", "model": t.model, "vocab_size": vocab, "seed": t.seed}
+        params = [Param(0, n, tuple(p.shape), 0) for n, p in model.named_parameters()]
+        return initial_weights(spec | {"seq_len": t.seq_len}, params)
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+def run_vocab_size(fed: FederationConfig, out: Path) -> int:
+    """The vocabulary of the run's tokenizer (the corpus is prepared for the evaluation)."""
+    from flower_shard.data.corpus import prepare_corpus
+
+    t = fed.train
+    info = prepare_corpus(out / F.DATA_DIR, t.data, t.tokenizer, t.eval_fraction, t.text_column)
+    return info.vocab_size
 
 
 @app.main()
@@ -119,7 +138,7 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePo
     # safetensors stores names sorted; the outer state is flat in the model's order.
     arrays = {k: arrays[k] for k in state[ORDER]}
     C.restore_rng(state["rng"])
-    point = ResumePoint(state["round"], outer, state[HISTORY], state[RUN_NAME])
+    point = ResumePoint(state["round"], outer, state[HISTORY], state[RUN_NAME], str(found[1]))
     log(INFO, "resuming %s after round %d (%s)", point.run_name, point.round, found[1])
     return arrays, point
 
@@ -129,13 +148,15 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     from safetensors.numpy import save_file
 
     t = fed.train
-    evaluator = HeldOutEvaluator(fed, out)
+    kind = transport_class(fed.transport)
+    # Where the groups hold the model, they evaluate it; the ServerApp builds none.
+    evaluator = None if kind.groups_hold_model else HeldOutEvaluator(fed, out)
     resumed = None
     if t.resume:
         first, resumed = resume_point(fed)
         M.keep_rounds(t.resume, out, resumed.round)
     else:
-        first = initial_arrays(fed, evaluator.model.config.vocab_size)
+        first = initial_arrays(fed, out) if kind.needs_initial_arrays else {}
         (out / F.METRICS_FILE).unlink(missing_ok=True)
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
     run_name = resumed.run_name if resumed else str(out)
@@ -188,6 +209,7 @@ def round_recorder(strategy, fed: FederationConfig, out: Path, run_name: str, lo
                 transport.state_dict(),
                 _jsonable(state),
                 keep=t.keep_checkpoints,
+                extra=transport.save_files,
             )
         logger.log(_jsonable(record))
 

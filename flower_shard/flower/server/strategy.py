@@ -44,6 +44,8 @@ class ResumePoint:
     """The metrics records of the rounds so far."""
     run_name: str
     """The run's identity, which keys the groups' checkpoints."""
+    directory: str | None = None
+    """The server checkpoint it comes from (what the transport saved beside it)."""
 
 
 class ShardedFedAvg(Strategy):
@@ -156,6 +158,8 @@ class ShardedFedAvg(Strategy):
         schedule = RoundSchedule(self.fed.train, num_rounds, self.fed.round_seconds, self.history)
         result, arrays = Result(), initial_arrays
         with self.transport:
+            if resumed and resumed.directory:
+                self.transport.load_files(resumed.directory)
             messenger.wait_for_nodes(self.fed.min_groups, timeout)
             while (plan := schedule.next()) is not None:
                 log(INFO, "")
@@ -215,6 +219,7 @@ class ShardedFedAvg(Strategy):
         if plan.seconds:
             per_round[P.ROUND_SECONDS] = plan.seconds
         round_config = ConfigRecord(dict(config) | per_round)
+        self.transport.begin_round(plan.round)
         messages = list(self.configure_train(plan.round, arrays, round_config, messenger.grid))
         budget = f"as many as fit in {plan.seconds:g} s, at most" if plan.seconds else "each"
         log(INFO, "configure_train: %d group(s), %s %d steps", len(messages), budget, plan.steps)
@@ -275,9 +280,10 @@ class ShardedFedAvg(Strategy):
             cfg[P.GROUP_INDEX] = nodes.index(node)
             cfg[P.NUM_GROUPS] = len(nodes)
             cfg[P.RUN_ID] = run_id  # a new run gets a fresh trainer in the group
-            for key, value in self.transport.node_config(
-                server_round, run_id, rank, len(members)
-            ).items():
+            extra = self.transport.node_config(
+                server_round, run_id, rank, len(members), group=nodes.index(node)
+            )
+            for key, value in extra.items():
                 cfg[key] = value
             content = RecordDict({P.CONFIG: cfg, **records})
             messages.append(Message(content, dst_node_id=node, message_type=message_type))

@@ -11,10 +11,12 @@ from flower_shard.errors import ConfigError
 from flower_shard.flower.server.transports.base import Aggregate, Transport
 from flower_shard.flower.server.transports.collective import CollectiveTransport
 from flower_shard.flower.server.transports.flower import FlowerTransport
+from flower_shard.flower.server.transports.streaming import StreamingTransport
 
 TRANSPORTS: dict[str, type[Transport]] = {
     P.FLOWER: FlowerTransport,
     P.COLLECTIVE: CollectiveTransport,
+    P.STREAMING: StreamingTransport,
 }
 
 

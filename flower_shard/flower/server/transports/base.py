@@ -76,6 +76,9 @@ class Transport(ABC):
     model and evaluates it itself."""
     reply_fields: ClassVar[tuple[Field, ...]] = ()
     """Metrics this transport's training replies carry besides the common ones."""
+    needs_initial_arrays: ClassVar[bool] = True
+    """False: the ServerApp never builds the whole model (the weights live elsewhere: the
+    streaming transport's aggregators); ``initial`` is then empty."""
 
     def __init__(self, fed: FederationConfig, initial: dict[str, np.ndarray]):
         self.fed = fed
@@ -105,12 +108,19 @@ class Transport(ABC):
 
     # -- the round's messages ------------------------------------------------------------------
 
+    def begin_round(self, server_round: int) -> None:
+        """A round starts: its messages are about to be built (default: nothing)."""
+        return None
+
     def members(self, node_ids: list[int]) -> list[int]:
         """The connected nodes that take part in the next round (sorted)."""
         return [n for n in node_ids if n not in self.dropped]
 
-    def node_config(self, server_round: int, run_id: int, rank: int, size: int) -> dict:
-        """Config keys of this transport for the member at ``rank`` of ``size``."""
+    def node_config(
+        self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
+    ) -> dict:
+        """Config keys of this transport for the member at ``rank`` of ``size`` (its group
+        index ``group``)."""
         return {}
 
     def train_records(self, arrays: ArrayRecord) -> dict[str, ArrayRecord | ConfigRecord]:
@@ -150,4 +160,13 @@ class Transport(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`'s output (a resumed run)."""
+        return None
+
+    def save_files(self, directory) -> None:
+        """Write state that lives outside the ServerApp into the server checkpoint's staging
+        ``directory`` (it is committed with the rest; default: nothing)."""
+        return None
+
+    def load_files(self, directory) -> None:
+        """Load what :meth:`save_files` wrote, once :meth:`open` ran (a resumed run)."""
         return None

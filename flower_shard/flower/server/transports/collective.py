@@ -68,7 +68,9 @@ class CollectiveTransport(Transport):
     def close(self) -> None:
         self._store = None  # the store closes its socket with itself
 
-    def node_config(self, server_round: int, run_id: int, rank: int, size: int) -> dict:
+    def node_config(
+        self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
+    ) -> dict:
         return {
             P.SYNC_RANK: rank,
             P.SYNC_SIZE: size,

@@ -1,0 +1,161 @@
+"""The streaming transport through a real Flower deployment: SuperLink, nodes of different K,
+aggregator processes, TLS; the global model checked against the groups' own weights.
+
+The groups write their weights at each stage (--dump-dir): ``loaded`` after the round's pull
+(the previous round's global model), ``trained`` before the push. Every round's global model,
+as the next round's pull loads it, must be the token-weighted mean of the trained weights of
+the groups that completed, within float32 rounding of an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from flower_shard import protocol as P
+from flower_shard.launch.deployment import LocalDeployment
+from flower_shard.launch.processes import free_port
+from flower_shard.ux.metrics import read_metrics
+
+SEQ, BATCH = 32, 2
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """TLS SuperLink, two nodes of K = 1 and K = 2 (node 1 reads faults from a file)."""
+    work = tmp_path_factory.mktemp("streaming")
+    dump = work / "dump"
+    dump.mkdir()
+    fault = work / "fault"
+    with LocalDeployment(
+        work,
+        num_nodes=2,
+        nproc_per_group=[1, 2],
+        dump_dir=str(dump),
+        fault_files=[None, str(fault)],
+        tls=True,
+    ) as dep:
+        dep.dump, dep.fault = dump, fault
+        yield dep
+
+
+def run(dep, out, rounds=3, **extra):
+    for f in dep.dump.iterdir():
+        f.unlink()
+    certs = dep.tls_files
+    config = {
+        P.NUM_SERVER_ROUNDS: rounds,
+        P.LOCAL_STEPS: 2,
+        P.OUT_DIR: str(out),
+        P.MIN_GROUPS: 1,
+        P.TRANSPORT: P.STREAMING,
+        "model": "tiny",
+        "seq-len": SEQ,
+        "batch-size": BATCH,
+        "seed": 3,
+        "lr": 3e-3,
+        "eval-sequences": 8,
+        "aggregators": 2,
+        "dataplane-certfile": str(certs.server_cert),
+        "dataplane-keyfile": str(certs.server_key),
+        "dataplane-ca-certfile": str(certs.ca_cert),
+        P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+    } | extra
+    summary = dep.run(config, timeout=600)
+    assert summary["status"] == "ok", summary
+    return read_metrics(out)
+
+
+def dumped(dep, group, rnd, stage):
+    path = dep.dump / f"g{group}_r{rnd}_{stage}.safetensors"
+    return load_file(path) if path.exists() else None
+
+
+def mean64(models, weights):
+    total = float(sum(weights))
+    return {
+        k: sum(m[k].astype(np.float64) * (w / total) for m, w in zip(models, weights))
+        for k in models[0]
+    }
+
+
+def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployment, tmp_path):
+    rounds = run(deployment, tmp_path)
+    assert [r["groups_ok"] for r in rounds] == [2, 2, 2], rounds
+    # Tokens per group and round: steps x batch x seq x K (K = 1 and 2: weights 1 : 2).
+    tokens = {g["group"]: g["tokens"] for g in rounds[0]["groups"]}
+    assert sorted(tokens.values()) == [2 * BATCH * SEQ, 2 * BATCH * SEQ * 2]
+    for rnd in (1, 2):
+        trained = [dumped(deployment, g, rnd, "trained") for g in sorted(tokens)]
+        ref = mean64(trained, [tokens[g] for g in sorted(tokens)])
+        for g in sorted(tokens):  # both groups start the next round from it
+            loaded = dumped(deployment, g, rnd + 1, "loaded")
+            for k in ref:
+                np.testing.assert_allclose(loaded[k], ref[k], rtol=0, atol=3e-6)
+        # Both groups loaded the very same weights.
+        a, b = (dumped(deployment, g, rnd + 1, "loaded") for g in sorted(tokens))
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    # The final model is what the aggregators hold after the last round (the groups evaluated
+    # exactly it).
+    final = load_file(tmp_path / "final_model.safetensors")
+    evaluated = dumped(deployment, 0, 3, "evaluated")
+    assert all(np.array_equal(final[k], evaluated[k]) for k in evaluated)
+    # Nothing but the ticket crossed Flower; the ranks streamed the weights.
+    assert all(r["exchange_bytes"] == 0 and r["outer_sync_bytes"] > 0 for r in rounds)
+    assert all(np.isfinite(r["eval_ppl"]) for r in rounds)
+
+
+def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(
+    deployment, tmp_path
+):
+    """Node 1's group dies after its first chunk of round 2: round 2 is the mean of group 0
+    alone (the partial upload never reaches the mean); the node restarts the group, which
+    pulls a full snapshot and takes part in round 3 again."""
+    deployment.fault.write_text("2:die-upload")
+    try:
+        rounds = run(deployment, tmp_path, rounds=6, **{"round-timeout": 120.0})
+    finally:
+        deployment.fault.unlink()
+    assert [r["groups_ok"] for r in rounds][:2] == [2, 1], rounds
+    assert rounds[1]["groups_rejected"] == 1
+    assert rounds[-1]["groups_ok"] == 2, rounds
+    ok = [g["group"] for g in rounds[1]["groups"]]
+    (alone,) = ok
+    trained = dumped(deployment, alone, 2, "trained")
+    loaded = dumped(deployment, alone, 3, "loaded")
+    for k in trained:
+        np.testing.assert_allclose(loaded[k], trained[k], rtol=0, atol=3e-6)
+    later = [r for r in rounds[2:] if r["groups_ok"] == 2]
+    rejoined = later[0]["round"]
+    a, b = (dumped(deployment, g, rejoined, "loaded") for g in (0, 1))
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # the same global model in both
+
+
+def test_int8_both_ways_trains_like_float32(deployment, tmp_path):
+    base = run(deployment, tmp_path / "f32", rounds=2)
+    int8 = run(
+        deployment,
+        tmp_path / "int8",
+        rounds=2,
+        compression="int8",
+        **{"downlink-compression": "int8", "compression-chunk": 256},
+    )
+    assert [r["groups_ok"] for r in int8] == [2, 2]
+    # Uplink: 1 byte per value plus a float32 scale per 256.
+    ratio = int8[-1]["outer_sync_bytes"] / base[-1]["outer_sync_bytes"]
+    assert 0.25 < ratio < 0.28, ratio
+    gap = abs(int8[-1]["eval_ppl"] / base[-1]["eval_ppl"] - 1)
+    assert gap < 0.02, gap
+
+
+def test_no_aggregator_is_left_running(deployment, tmp_path):
+    """The ServerApp stops the aggregators it started (their work dirs are under out-dir)."""
+    import subprocess
+
+    run(deployment, tmp_path, rounds=1)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    mine = [
+        line for line in ps.splitlines() if "dataplane.aggregator" in line and str(tmp_path) in line
+    ]
+    assert not mine, mine
