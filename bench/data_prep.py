@@ -13,7 +13,7 @@ workers. Side by side in one invocation:
   memory, no I/O), and that x 2.
 
     .venv/bin/python bench/data_prep.py [--size-gb 1.0 --repeats 3]
-    .venv/bin/python bench/data_prep.py --smoke        # 16 MB, one repeat (tests run this)
+    .venv/bin/python bench/data_prep.py --smoke        # 4 MB, one repeat (tests run this)
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def make_corpus(root: Path, size: int, seed: int = 0) -> list[Path]:
     return files
 
 
-def make_tokenizer(sample: Path, out: Path) -> None:
+def make_tokenizer(sample: Path, out: Path, vocab: int = 8000) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +69,7 @@ def make_tokenizer(sample: Path, out: Path) -> None:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     texts = (json.loads(line)["text"] for line in open(sample, encoding="utf-8"))
     bpe.train_from_iterator(
-        texts, trainers.BpeTrainer(vocab_size=8000, special_tokens=["<unk>", "</s>"])
+        texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "</s>"])
     )
     PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>"
@@ -142,10 +142,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default="/tmp/flower-shard-data-bench")
     p.add_argument("--out", default=str(HERE / "results" / "data_prep.json"))
-    p.add_argument("--smoke", action="store_true", help="16 MB, one repeat")
+    p.add_argument("--smoke", action="store_true", help="4 MB, one repeat (the tests run it)")
     args = p.parse_args()
     if args.smoke:
-        args.size_gb, args.repeats = 0.016, 1
+        args.size_gb, args.repeats = 0.004, 1
     work = Path(args.work)
     size = int(args.size_gb * 1e9)
     full, half = work / f"corpus-{size}", work / f"half-{size}"
@@ -157,7 +157,7 @@ def main() -> None:
             os.link(f, half / f.name)
     tok = work / "tokenizer"
     if not tok.is_dir():
-        make_tokenizer(sorted(full.glob("*.jsonl"))[0], tok)
+        make_tokenizer(sorted(full.glob("*.jsonl"))[0], tok, 1000 if args.smoke else 8000)
     runs: dict[str, list[dict]] = {"1 worker": [], "2 workers": [], "2 workers, half": []}
     for r in range(args.repeats):  # interleaved: the configurations share the machine's noise
         for name, data, workers in (
@@ -169,7 +169,7 @@ def main() -> None:
             subprocess.run(["rm", "-rf", str(out)], check=True)
             runs[name].append(run_once(data, tok, workers, out))
             subprocess.run(["rm", "-rf", str(out)], check=True)
-    top = ceiling(full, tok, min(size, 64 << 20))
+    top = ceiling(full, tok, min(size, 1 << 20 if args.smoke else 64 << 20))
     report(args, size, runs, top)
 
 

@@ -1,13 +1,21 @@
-"""Moving a ~100M-parameter float32 model server -> group -> server: Flower vs raw loopback TCP.
+"""Moving a model server -> group -> server per round: the flower and streaming transports
+against raw loopback TCP, with every process's peak memory.
 
-Flower side: a real deployment (SuperLink + 1 node of 2 ranks), preset ``base`` (104M
-parameters, 417 MB in float32), one local step per round; the transfer time of a round is its
-wall time minus the group's training steps, so it holds everything a round does to move the
-weights both ways (Messages, object store, ClientApp, control service, loading into and
-gathering from the sharded model). Raw side: the same number of bytes sent over a loopback
-TCP socket and echoed back. Rounds after the first are counted.
+A real deployment (SuperLink + 1 node of 2 ranks) runs a few rounds of one local step per
+transport; a round's exchange is its wall time minus the group's own training steps, so it
+holds everything a round does to move the weights both ways (flower: Messages, object store,
+ClientApp, control service, loading into and gathering from the sharded model; streaming: the
+ticket, every rank's pull and push, the aggregators' checks, fold and outer step). Raw side:
+the same number of bytes sent over a loopback TCP socket and echoed back. Rounds after the
+first are counted; the transports and the raw side alternate, repeat after repeat.
 
-    .venv/bin/python bench/transfer.py [--rounds 3 --repeats 3]
+Memory: the VmHWM of every process of the deployment, sampled, by role (SuperLink, ServerApp,
+SuperNode, ClientApp, aggregators, ranks), for each model (``--models``, default ``small``
+(51 MB) and ``base`` (417 MB)): what the SuperLink, SuperNode and ClientApp hold must not grow
+with the model under the streaming transport.
+
+    .venv/bin/python bench/transfer.py [--rounds 3 --repeats 3 --transports flower,streaming]
+    .venv/bin/python bench/transfer.py --exchange-only [bench/exchange.py's flags]
 """
 
 from __future__ import annotations
@@ -16,17 +24,31 @@ import argparse
 import json
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from flower_shard.launch.deployment import LocalDeployment
-from flower_shard.launch.processes import free_port
-from flower_shard.ux.metrics import read_metrics
+sys.path.insert(0, str(Path(__file__).parent))
+from memory import PeakSampler  # noqa: E402
+
+from flower_shard import protocol as P  # noqa: E402
+from flower_shard.launch.deployment import LocalDeployment  # noqa: E402
+from flower_shard.launch.processes import free_port  # noqa: E402
+from flower_shard.ux.metrics import read_metrics  # noqa: E402
 
 HERE = Path(__file__).parent
 CHUNK = 1 << 20
+ROLES = {  # a process's role, from a piece of its command line
+    "flower-superlink": "superlink",
+    "flwr-serverapp": "serverapp",
+    "fast_supernode": "supernode",
+    "warm_superexec": "clientapp",
+    "flwr-clientapp": "clientapp",
+    "dataplane.aggregator": "aggregator",
+    "flower.group.service": "rank",
+}
 
 
 def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> None:
@@ -61,70 +83,129 @@ def raw_round_trip(nbytes: int) -> float:
     return seconds
 
 
-def flower_round_trips(rounds: int) -> tuple[list[float], int]:
+def round_trips(transport: str, model: str, rounds: int) -> dict:
+    """One deployment run; the exchange seconds of rounds 2.. and every role's peak memory."""
     with (
         tempfile.TemporaryDirectory() as work,
+        PeakSampler(interval=0.1) as sampler,
         LocalDeployment(work, num_nodes=1, nproc_per_group=2) as dep,
     ):
         out = Path(work, "out")
-        dep.run(
-            {
-                "out-dir": str(out),
-                "num-server-rounds": rounds,
-                "local-steps": 1,
-                "min-groups": 1,
-                "model": "base",
-                "seq-len": 16,
-                "batch-size": 1,
-                "eval-every": 0,
-                "collective-address": f"127.0.0.1:{free_port()}",
-            },
-            timeout=1800,
-        )
+        config = {
+            P.OUT_DIR: str(out),
+            P.NUM_SERVER_ROUNDS: rounds,
+            P.LOCAL_STEPS: 1,
+            P.MIN_GROUPS: 1,
+            P.TRANSPORT: transport,
+            "model": model,
+            "seq-len": 16,
+            "batch-size": 1,
+            "eval-every": 0,
+            P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+        }
+        if transport == P.STREAMING:
+            config["dataplane-insecure"] = True
+        summary = dep.run(config, timeout=1800)
+        if summary.get(P.S_STATUS) != P.STATUS_OK:
+            raise SystemExit(f"{transport} {model}: {summary}")
         recs = read_metrics(out)
-    # Each round sends the model to the group and back: exchange_bytes counts both ways.
-    return [r["round_s"] - r["compute_s"] for r in recs[1:]], recs[-1]["exchange_bytes"] // 2
+    peaks: dict[str, int] = {}
+    for peak, cmd in sampler.peaks.values():
+        role = next((r for key, r in ROLES.items() if key in cmd), None)
+        if role:
+            peaks[role] = max(peaks.get(role, 0), peak)
+    return {"exchange_s": [r["round_s"] - r["compute_s"] for r in recs[1:]], "peaks": peaks}
+
+
+def model_bytes(model: str) -> int:
+    from flower_shard.dataplane.init import parameter_shapes
+
+    return sum(4 * _numel(s) for s in parameter_shapes(model, 257, 16).values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def spread(v: list[float]) -> dict:
+    return {"min": min(v), "median": statistics.median(v), "max": max(v)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--transports", default="flower,streaming")
+    p.add_argument("--models", default="small,base")
+    p.add_argument("--exchange-only", action="store_true", help="run bench/exchange.py instead")
     p.add_argument("--out", default=str(HERE / "results" / "transfer.json"))
-    args = p.parse_args()
-    flower, raw = [], []
-    nbytes = 0
-    for rep in range(args.repeats):
-        got, nbytes = flower_round_trips(args.rounds)
-        flower += got
-        raw += [raw_round_trip(nbytes) for _ in got]
-        print(
-            f"repeat {rep + 1}: model {nbytes / 1e6:.0f} MB; flower "
-            + " ".join(f"{x:.2f}" for x in got)
-            + " s; raw TCP "
-            + " ".join(f"{x:.2f}" for x in raw[-len(got) :])
-            + " s",
-            flush=True,
-        )
-    ratios = [f / r for f, r in zip(flower, raw)]
+    args, rest = p.parse_known_args()
+    if args.exchange_only:
+        import exchange
 
-    def summary(v):
-        return {"min": min(v), "median": statistics.median(v), "max": max(v)}
-
-    report = {
-        "model_bytes": nbytes,
-        "flower_s": summary(flower),
-        "raw_tcp_s": summary(raw),
-        "ratio": summary(ratios),
-        "target_ratio": 2.0,
-    }
+        sys.argv = [sys.argv[0], *rest]
+        exchange.main()
+        return
+    report: dict = {}
+    for model in args.models.split(","):
+        nbytes = model_bytes(model)
+        sides: dict[str, list[float]] = {"raw": []}
+        peaks: dict[str, dict] = {}
+        for rep in range(args.repeats):
+            for transport in args.transports.split(","):
+                got = round_trips(transport, model, args.rounds)
+                sides.setdefault(transport, []).extend(got["exchange_s"])
+                peaks[transport] = {
+                    k: max(v, peaks.get(transport, {}).get(k, 0)) for k, v in got["peaks"].items()
+                }
+                sides["raw"] += [raw_round_trip(nbytes) for _ in got["exchange_s"]]
+                print(
+                    f"{model} repeat {rep + 1} {transport}: "
+                    + " ".join(f"{x:.2f}" for x in got["exchange_s"])
+                    + " s",
+                    flush=True,
+                )
+        raw = statistics.median(sides["raw"])
+        report[model] = {
+            "model_bytes": nbytes,
+            "raw_tcp_s": spread(sides["raw"]),
+            "transports": {
+                t: {
+                    "exchange_s": spread(v),
+                    "ratio": spread([x / raw for x in v]),
+                    "peak_bytes": peaks[t],
+                }
+                for t, v in sides.items()
+                if t != "raw"
+            },
+        }
+        print_model(model, report[model])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    f, r, q = report["flower_s"], report["raw_tcp_s"], report["ratio"]
-    print(f"server -> group -> server, {nbytes / 1e6:.0f} MB each way")
-    print(f"flower : min {f['min']:.2f} median {f['median']:.2f} max {f['max']:.2f} s")
-    print(f"raw TCP: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f} s")
-    print(f"ratio  : min {q['min']:.1f} median {q['median']:.1f} max {q['max']:.1f} (target <= 2)")
+
+
+def print_model(model: str, r: dict) -> None:
+    print(
+        f"\n{model}: {r['model_bytes'] / 1e6:.0f} MB each way; raw TCP median "
+        f"{r['raw_tcp_s']['median']:.2f} s"
+    )
+    roles = sorted({k for t in r["transports"].values() for k in t["peak_bytes"]})
+    print(
+        "| transport | exchange s (median) | x raw TCP min/median/max | "
+        + " | ".join(f"{k} MB" for k in roles)
+        + " |"
+    )
+    print("|---" * (3 + len(roles)) + "|")
+    for name, t in r["transports"].items():
+        q = t["ratio"]
+        cells = " | ".join(f"{t['peak_bytes'].get(k, 0) / 1e6:.0f}" for k in roles)
+        print(
+            f"| {name} | {t['exchange_s']['median']:.2f} | {q['min']:.1f} / {q['median']:.1f} / "
+            f"{q['max']:.1f} | {cells} |"
+        )
 
 
 if __name__ == "__main__":

@@ -255,11 +255,7 @@ def load_supernode_private_key(path: str | os.PathLike) -> ec.EllipticCurvePriva
         raise ValueError(f"not an unencrypted OpenSSH private key ({exc})") from exc
     except Exception as exc:  # UnsupportedAlgorithm and friends: one message for all
         raise ValueError(f"unreadable private key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"an EC key is required, got {type(key).__name__}")
-    if key.curve.name not in ("secp256r1", "secp384r1", "secp521r1"):
-        raise ValueError(f"EC curve {key.curve.name} is not a NIST curve")
-    return key
+    return _nist(key, ec.EllipticCurvePrivateKey)
 
 
 def load_supernode_public_key(path: str | os.PathLike) -> ec.EllipticCurvePublicKey:
@@ -279,8 +275,16 @@ def load_supernode_public_key(path: str | os.PathLike) -> ec.EllipticCurvePublic
         key = serialization.load_ssh_public_key(Path(path).read_bytes())
     except Exception as exc:  # ValueError, UnsupportedAlgorithm: one message for all
         raise ValueError(f"not an OpenSSH public key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePublicKey):
+    return _nist(key, ec.EllipticCurvePublicKey)
+
+
+NIST_CURVES = ("secp256r1", "secp384r1", "secp521r1")  # what Flower 1.42 accepts
+
+
+def _nist(key, kind):
+    """``key`` if it is an EC key of ``kind`` on a NIST curve; ValueError otherwise."""
+    if not isinstance(key, kind):
         raise ValueError(f"an EC key is required, got {type(key).__name__}")
-    if key.curve.name not in ("secp256r1", "secp384r1", "secp521r1"):
+    if key.curve.name not in NIST_CURVES:
         raise ValueError(f"EC curve {key.curve.name} is not a NIST curve")
     return key
