@@ -10,6 +10,7 @@ group before it builds a run), then :func:`prepare_for` where it prepares the da
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ def check_federation(fed: FederationConfig) -> FederationConfig:
     """:func:`check` for the ServerApp's side of a Flower run (a stand-in topology: the groups
     check their own when a run reaches them); returns ``fed``."""
     check(dataclasses.replace(fed.train, groups=1, nproc_per_group=1, nnodes=1))
+    check_out(fed.train, flag="out-dir")
     if fed.transport == P.STREAMING:
         for flag, path in (
             ("dataplane-certfile", fed.dataplane_certfile),
@@ -79,9 +81,20 @@ def check_model(model: str, seq_len: int) -> None:
             f"--model {model!r} is unknown; choose one of {', '.join(PRESETS)}, or give a "
             "local transformers model directory (with config.json)"
         )
-    from flower_shard.runtime.models import hf_config
+    from flower_shard.runtime.models import build_model, hf_config
 
-    positions = getattr(hf_config(model), "max_position_embeddings", None)
+    try:  # a config transformers rejects, or one whose shapes cannot be built (on meta: free)
+        config = hf_config(model)
+        build_model(model, meta=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's file becomes one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
+        raise ConfigError(
+            f"--model {model}: its config.json does not describe a model that can be built "
+            f"({first}); fix it, or write it with PretrainedConfig.save_pretrained"
+        ) from None
+    positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         raise ConfigError(
             f"--seq-len {seq_len} exceeds --model {model}'s max_position_embeddings "
@@ -103,15 +116,75 @@ def check_sources(data: str | None, groups: int) -> None:
 
 
 def check_data(data: str, flag: str = "--data") -> None:
-    """Raise :class:`ConfigError` unless ``data`` is a directory or a .jsonl / .parquet file."""
+    """Raise :class:`ConfigError` unless ``data`` is a readable directory or a readable
+    regular .jsonl / .parquet file (a FIFO or device is never opened: it could block)."""
     from flower_shard.data.sources import RECORD_SUFFIXES
 
     path = Path(data)
-    if not path.is_dir() and not (path.is_file() and path.suffix in RECORD_SUFFIXES):
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(f"{flag} {data}: the directory cannot be read (permissions)")
+        return
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            f"{flag} {data} is not a regular file (a FIFO, socket or device); point it at a "
+            "directory of text files or at a .jsonl / .parquet file"
+        )
+    if not (path.is_file() and path.suffix in RECORD_SUFFIXES):
         raise ConfigError(
             f"{flag} {data}: no such directory or .jsonl / .parquet file; point it "
             "at a directory of text files or at a .jsonl / .parquet file"
         )
+    try:
+        with open(path, "rb") as f:  # a regular file: opening cannot block
+            f.read(1)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {data}: cannot be read ({exc.strerror})") from None
+
+
+def check_out(cfg: TrainConfig, flag: str = "--out") -> None:
+    """Where a run writes (``--out``, a Flower run's ``out-dir``): a directory or a new path
+    below one, not inside the run's own ``--data`` (the run would train on its output), and
+    not the data itself; ``--resume`` a directory. One-line :class:`ConfigError` otherwise."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {cfg.out} is a file; give a directory (or a new path)")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{flag} {cfg.out}: {parent} is a file, not a directory")
+    if parent is not None and not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {cfg.out}: cannot create it in {parent} (permissions)")
+    if cfg.data is not None:
+        data, target = Path(cfg.data).resolve(), out.resolve()
+        if target == data or data in target.parents:
+            raise ConfigError(
+                f"{flag} {cfg.out} is inside --data {cfg.data}: the run would read its own "
+                "output as training data; write it somewhere else"
+            )
+    if cfg.resume is not None and Path(cfg.resume).exists() and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"--resume {cfg.resume} is a file; give a run's output directory")
+
+
+def check_run_dir(out: str | Path, run: str | None, flag: str = "--out") -> None:
+    """Raise :class:`ConfigError` if ``out/checkpoints`` holds committed checkpoints that are
+    not of run ``run`` (None: a new run, whose checkpoints cannot be there yet): a new run
+    there would prune them as older than its own, and a resume could load them."""
+    from flower_shard.config.identity import RUN
+    from flower_shard.runtime import checkpoint as C
+
+    for path in C.committed(Path(out, runfiles.CHECKPOINTS_DIR)):
+        try:
+            theirs = C.read_identity(path).get(RUN)
+        except C.CheckpointError:
+            theirs = None
+        if run is None or theirs != run:
+            resume = "--resume" if flag.startswith("--") else "resume ="
+            how = f"continue it with {resume} {out}, or use" if run is None else "use"
+            raise ConfigError(
+                f"{flag} {out} holds the checkpoints of another run "
+                f"({path.relative_to(out)}); {how} a fresh {flag}: runs must not mix their "
+                "checkpoints"
+            )
 
 
 def require_tensorboard(flag: str = "--tensorboard") -> None:

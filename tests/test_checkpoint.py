@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from flower_shard.ux import metrics as M
 
 def _write(root, rnd, payload: bytes):
     tmp = C.staging_dir(root, rnd)
+    C.write_identity(tmp, {"run-name": "r", "group-index": None})
     (tmp / "data.bin").write_bytes(payload)
     (tmp / "sub").mkdir()
     (tmp / "sub" / "more.bin").write_bytes(payload[::-1])
@@ -73,7 +76,7 @@ def test_server_checkpoint_round_trip(tmp_path):
 def test_resume_needs_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="checkpoints"):
         check(TrainConfig(resume=str(tmp_path)))
-    with pytest.raises(ConfigError, match="checkpoint-every"):
+    with pytest.raises(ConfigError, match="--checkpoint-every must be an integer in \\[0"):
         TrainConfig(checkpoint_every=-1).validate()
 
 
@@ -148,8 +151,163 @@ def test_group_checkpoint_loads_onto_another_number_of_ranks(straight_run, tmp_p
             C.round_dir(out_root / "checkpoints" / f"group_{g}", 3),
             tmp_path,
         )
-    meta = torch.load(
-        C.round_dir(out_root / "checkpoints" / "group_0", 3) / C.GROUP_TRAINER, weights_only=False
-    )
+    resaved = C.round_dir(out_root / "checkpoints" / "group_0", 3)
+    meta = json.loads((resaved / C.GROUP_TRAINER).read_text())
     assert meta["step"] == 6 and len(meta["data"]) == 1
+    # The resaved checkpoint carries on the identity of the one it loaded.
+    source = C.round_dir(straight_run / "checkpoints" / "group_0", 3)
+    assert C.read_identity(resaved) == C.read_identity(source)
     assert json.loads((straight_run / "config.json").read_text())["nproc_per_group"] == 2
+
+
+# -- what verification refuses, and what loading never runs ----------------------------------------
+
+
+def _rewrite_manifest(path):
+    """What an attacker who can write a checkpoint does after changing it: a fresh manifest."""
+    import hashlib
+
+    manifest = json.loads((path / C.MANIFEST).read_text())
+    for name in manifest["files"]:
+        blob = (path / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (path / C.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_verify_refuses_empty_partial_unlisted_and_linked_entries(tmp_path):
+    good = _write(tmp_path / "a", 1, b"x" * 100)
+    assert C.verify(good) is None
+    cases = {}
+    for case in ("empty", "partial", "unlisted", "linked-file", "linked-dir", "linked-group"):
+        shutil.copytree(tmp_path / "a", tmp_path / case)
+        cases[case] = C.round_dir(tmp_path / case, 1)
+    (cases["empty"] / C.MANIFEST).write_text(json.dumps({"round": 1, "files": {}}))
+    manifest = json.loads((cases["partial"] / C.MANIFEST).read_text())
+    del manifest["files"][C.IDENTITY]  # a manifest that leaves out what a checkpoint must hold
+    (cases["partial"] / C.IDENTITY).unlink()
+    (cases["partial"] / C.MANIFEST).write_text(json.dumps(manifest))
+    (cases["unlisted"] / "extra.bin").write_bytes(b"added afterwards")
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes((good / "data.bin").read_bytes())
+    (cases["linked-file"] / "data.bin").unlink()
+    (cases["linked-file"] / "data.bin").symlink_to(target)
+    shutil.rmtree(cases["linked-dir"])
+    cases["linked-dir"].symlink_to(good, target_is_directory=True)
+    shutil.rmtree(tmp_path / "linked-group")
+    (tmp_path / "linked-group").symlink_to(tmp_path / "a", target_is_directory=True)
+    expected = {
+        "empty": "lists no files",
+        "partial": "partial manifest",
+        "unlisted": "extra.bin is not in its MANIFEST.json",
+        "linked-file": "data.bin is a symbolic link",
+        "linked-dir": "a symbolic link",
+        "linked-group": "a symbolic link",
+    }
+    for case, path in cases.items():
+        reason = C.verify(path)
+        assert reason is not None and expected[case] in reason, (case, reason)
+    assert C.latest_good(tmp_path / "linked-group", log=lambda _m: None) is None
+
+
+def test_dcp_metadata_is_read_without_running_code(tmp_path, monkeypatch):
+    """A tampered ``.metadata`` (DCP's index, a pickle) with a rewritten manifest verifies, but
+    reading it refuses what is not a DCP record, and its payload never runs."""
+    import os
+
+    from flower_shard.errors import CheckpointError
+    from flower_shard.runtime.group_checkpoint import check_metadata
+
+    pwned = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+
+    import pickle
+
+    path = tmp_path / "ck"
+    path.mkdir()
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        check_metadata(path)
+    assert not pwned.exists()
+
+
+# -- resume and new runs against the straight run's directory (no rank starts) ---------------------
+
+
+def _cli_error(*args) -> str:
+    """`flower-shard train ARGS` that must fail before launch: its one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "flower_shard.ux.cli", "train", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), proc.stderr
+    return lines[0]
+
+
+def test_a_new_run_into_a_run_directory_is_refused(straight_run):
+    before = {g: C.rounds(straight_run / "checkpoints" / g) for g in ("group_0", "group_1")}
+    line = _cli_error("--out", straight_run, *RUN)
+    assert "holds the checkpoints of another run" in line and f"--resume {straight_run}" in line
+    after = {g: C.rounds(straight_run / "checkpoints" / g) for g in ("group_0", "group_1")}
+    assert before == after and after["group_0"] == [4, 3, 2]  # nothing pruned, nothing added
+
+
+def test_resume_refuses_changed_settings_other_runs_and_linked_groups(straight_run, tmp_path):
+    # A setting that shapes the training: refused before anything starts.
+    line = _cli_error("--out", tmp_path / "lr", *RUN, "--lr", "0.002", "--resume", straight_run)
+    assert "resume: lr is 0.002 but the run" in line
+    assert not (tmp_path / "lr" / "config.json").exists()
+    # Group 1's newest checkpoint swapped for one of another run (manifest made to match).
+    other = tmp_path / "other"
+    shutil.copytree(straight_run, other)
+    swapped = C.round_dir(other / "checkpoints" / "group_1", 4)
+    identity = C.read_identity(swapped) | {"run-name": "another-run"}
+    C.write_identity(swapped, identity)
+    _rewrite_manifest(swapped)
+    line = _cli_error("--out", tmp_path / "o", *RUN, "--resume", other)
+    assert "checkpoint of another run" in line
+    # Group 1's directory a link to group 0's: refused, not loaded as group 1.
+    linked = tmp_path / "linked"
+    shutil.copytree(straight_run, linked)
+    shutil.rmtree(linked / "checkpoints" / "group_1")
+    (linked / "checkpoints" / "group_1").symlink_to(linked / "checkpoints" / "group_0")
+    line = _cli_error("--out", tmp_path / "l", *RUN, "--resume", linked)
+    assert "symbolic link" in line
+    # Group 0's checkpoints copied over group 1's: they say group 0.
+    copied = tmp_path / "copied"
+    shutil.copytree(straight_run, copied)
+    shutil.rmtree(copied / "checkpoints" / "group_1")
+    shutil.copytree(copied / "checkpoints" / "group_0", copied / "checkpoints" / "group_1")
+    line = _cli_error("--out", tmp_path / "c", *RUN, "--resume", copied)
+    assert "group 0's checkpoint, not group 1's" in line
+
+
+def test_a_pickle_in_a_checkpoint_never_runs_on_resume(straight_run, tmp_path):
+    """The attack of issue 15: a checkpoint file replaced by a pickle that runs code, its
+    checksum rewritten in the manifest. Resume refuses it in one line; the code never runs."""
+    import os
+    import pickle
+
+    pwned = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(straight_run, tampered)
+    for g in (0, 1):
+        for rnd in C.rounds(tampered / "checkpoints" / f"group_{g}"):
+            path = C.round_dir(tampered / "checkpoints" / f"group_{g}", rnd)
+            (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+            _rewrite_manifest(path)
+            assert C.verify(path) is None  # the manifest alone cannot tell
+    line = _cli_error("--out", tmp_path / "resumed", *RUN, "--resume", tampered)
+    assert "not a checkpoint record" in line
+    assert not pwned.exists()

@@ -33,6 +33,7 @@ from flwr.server.superlink.linkstate.utils import (
 from flower_shard import protocol as P
 from flower_shard.config.federation import FederationConfig
 from flower_shard.errors import ConfigError
+from flower_shard.flower.server import payloads as D
 from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.transports import (
     TRANSPORTS,
@@ -107,6 +108,7 @@ def test_a_good_reply_gives_every_value_typed_and_exact():
         intra_bytes=4096.0,
         group_round_s=1.0,
         clientapp_pid=4242,
+        ranks=2,
         outer_sync_s=0.125,
         outer_sync_bytes=2048,
     )
@@ -231,15 +233,15 @@ def model(value: float) -> dict[str, np.ndarray]:
 
 def test_check_arrays_names_each_problem():
     expected = describe(model(0.0))
-    assert R.check_arrays(model(1.0), expected) is None
+    assert D.check_arrays(model(1.0), expected) is None
     bad = model(1.0)
     bad["a"][0, 0] = np.inf
-    assert "non-finite" in R.check_arrays(bad, expected)
-    assert "missing" in R.check_arrays({"a": model(1.0)["a"]}, expected)
+    assert "non-finite" in D.check_arrays(bad, expected)
+    assert "missing" in D.check_arrays({"a": model(1.0)["a"]}, expected)
     extra = model(1.0) | {"c": np.zeros(1, np.float32)}
-    assert "unexpected" in R.check_arrays(extra, expected)
-    assert "shape" in R.check_arrays(model(1.0) | {"b": np.zeros(5, np.float32)}, expected)
-    assert "dtype" in R.check_arrays(model(1.0) | {"b": np.zeros(4, np.float64)}, expected)
+    assert "unexpected" in D.check_arrays(extra, expected)
+    assert "shape" in D.check_arrays(model(1.0) | {"b": np.zeros(5, np.float32)}, expected)
+    assert "dtype" in D.check_arrays(model(1.0) | {"b": np.zeros(4, np.float64)}, expected)
 
 
 def fed(**run_config) -> FederationConfig:
@@ -282,7 +284,7 @@ def test_flower_transport_refuses_compressed_updates_that_decode_to_inf():
     delta = torch.linspace(-1, 1, 10)
     payload = {k: v.numpy() for k, v in Z.compress(delta, "int8", 4).items()}
     record = ArrayRecord({k: Array(v) for k, v in payload.items()})
-    decoded = transport.check_payload(arrays_reply(record)).arrays[R.DELTA]
+    decoded = transport.check_payload(arrays_reply(record)).arrays[D.DELTA]
     assert np.array_equal(decoded, Z.decompress(Z.compress(delta, "int8", 4), "int8", 4).numpy())
     # Finite scales that overflow float32 once multiplied by the int8 values.
     huge = dict(payload, **{Z.SCALES: np.full_like(payload[Z.SCALES], 3e38)})

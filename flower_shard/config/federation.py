@@ -15,8 +15,12 @@ from dataclasses import dataclass, field
 from flower_shard import protocol as P
 from flower_shard.config import choices as C
 from flower_shard.config.choices import check_choices, choice
-from flower_shard.config.train import TrainConfig
+from flower_shard.config.ranges import bounded, check_address, check_fields, check_host
+from flower_shard.config.train import MAX_RANKS, TrainConfig
 from flower_shard.errors import ConfigError
+
+MAX_SECONDS = 1e7
+"""The longest timeout or round budget a setting may name (about 115 days)."""
 
 # run-config key -> TrainConfig field, where the names differ
 RENAMED = {
@@ -37,33 +41,43 @@ class FederationConfig:
     deployment); `collective`: groups all-reduce shards (inside one cluster); `streaming`: every
     rank streams its shard to aggregator processes over gRPC, Flower carries only a ticket
     (large models across sites)."""
-    min_groups: int = 1
+    min_groups: int = bounded(1, 1, MAX_RANKS)
     """A round updates the global model only if at least this many groups replied validly."""
-    round_seconds: float = 0.0
+    round_seconds: float = bounded(0.0, 0, MAX_SECONDS, open_hi=True)
     """Time-budgeted rounds: each group trains as many inner steps as fit in this many seconds
     (at least one, at most `max-local-steps`), reports its steps and tokens, and the
     aggregation weights by tokens, so fast and slow groups (different K or hardware) finish a
     round together; the run is `num-server-rounds` rounds and the inner LR schedule follows
     its time. 0: every group trains `local-steps` steps."""
-    round_timeout: float = 600.0
+    round_timeout: float = bounded(600.0, 0, MAX_SECONDS, open_lo=True)
     """Seconds to wait for the groups' replies in one round; late groups are left out."""
-    sync_timeout: float = 120.0
+    sync_timeout: float = bounded(120.0, 0, MAX_SECONDS, open_lo=True)
     """Collective transport: seconds a group waits for its peers in the cross-group
     rendezvous and all-reduce; past it the group abandons that sync and keeps its weights."""
     collective_address: str = "127.0.0.1:29600"
     """HOST:PORT where the ServerApp hosts the cross-group rendezvous (collective transport)."""
-    poll_interval: float = 0.05
+    poll_interval: float = bounded(0.05, 0, 60, open_lo=True)
     """Seconds between the strategy's pulls of replies (Flower's default sleeps 3 s)."""
-    outlier_factor: float = 10.0
-    """Reject an update whose norm exceeds this many times the median of the other groups'
-    (leave-one-out); 0 disables the rule."""
+    outlier_factor: float = bounded(10.0, 0, 1e6)
+    """The robust rules' bound f (0: off; else >= 1). Per inner step, against a reference (the
+    median of the other groups' values this round pooled with those accepted in the last 5
+    rounds): a group's token weight is capped at f x the reference; an update whose norm is
+    below 1/f of it (a free rider) is rejected; an update whose token-weighted norm or largest
+    coordinate exceeds f x its reference is rejected (or clipped: `clip-outliers`). See
+    SECURITY.md for what each rule withstands."""
+    clip_outliers: bool = False
+    """Transport flower: clip an update beyond a bound of `outlier-factor` (scaled to the norm
+    bound, coordinates clamped to the coordinate bound) instead of rejecting it."""
     aggregation: str = choice(C.MEAN, C.AGGREGATIONS)
-    """`mean` (token-weighted) or `trimmed-mean` (coordinate-wise, robust to a few bad groups)."""
-    trim_fraction: float = 0.2
-    """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate."""
+    """`mean` (token-weighted) or, transport flower, `trimmed-mean`: per coordinate, the
+    max(1, floor(trim-fraction x G)) lowest and highest values are dropped whatever their
+    weights, the rest averaged with their groups' token weights (needs min-groups >= 3)."""
+    trim_fraction: float = bounded(0.2, 0, 0.5, open_hi=True)
+    """For `trimmed-mean`: the fraction of groups dropped at each end, per coordinate (at least
+    one group)."""
     group_addresses: str = ""
     """Simulation only: the groups' addresses, comma-separated, one per virtual client."""
-    aggregators: int = 1
+    aggregators: int = bounded(1, 1, 256)
     """Streaming transport: aggregator processes the ServerApp starts on its host, each owning
     about 1/A of the parameters (and their outer state), each on its own port of
     `dataplane-host`."""
@@ -118,11 +132,8 @@ class FederationConfig:
     def validate(self) -> FederationConfig:
         """Raise :class:`ConfigError` on the first wrong value, the group's fields included;
         return self."""
+        check_fields(self, prefix="", skip=("train",))  # types, ranges, NaN and inf
         check_choices(self, prefix="")
-        if self.outlier_factor < 0 or not 0 <= self.trim_fraction < 0.5:
-            raise ConfigError("outlier-factor must be >= 0 and trim-fraction in [0, 0.5)")
-        if not 0 <= self.round_seconds < float("inf"):  # also refuses NaN
-            raise ConfigError(f"round-seconds must be >= 0 (0: fixed T), got {self.round_seconds}")
         if self.round_seconds and self.train.adaptive_t:
             raise ConfigError(
                 "round-seconds and adaptive-t both choose the steps of a round: set one of them"
@@ -132,13 +143,8 @@ class FederationConfig:
                 f"round-seconds {self.round_seconds} must be below round-timeout "
                 f"{self.round_timeout}, or every round would time out"
             )
-        if self.min_groups < 1:
-            raise ConfigError(f"min-groups must be >= 1, got {self.min_groups}")
-        if self.round_timeout <= 0 or self.poll_interval <= 0 or self.sync_timeout <= 0:
-            raise ConfigError("round-timeout, sync-timeout and poll-interval must be > 0")
-        host, _, port = self.collective_address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"collective-address {self.collective_address!r} must be HOST:PORT")
+        check_address("collective-address", self.collective_address)
+        self._validate_robust()
         if self.transport == P.STREAMING:
             self._validate_dataplane()
         elif self.downlink_compression != C.NO_COMPRESSION:
@@ -151,20 +157,38 @@ class FederationConfig:
         dataclasses.replace(self.train, groups=1, nproc_per_group=1, nnodes=1).validate()
         return self
 
+    def _validate_robust(self) -> None:
+        """The robust rules' settings (:mod:`flower_shard.flower.server.robust`)."""
+        if 0 < self.outlier_factor < 1:
+            raise ConfigError(
+                f"outlier-factor must be 0 (off) or >= 1 (a bound of f x the others'), got "
+                f"{self.outlier_factor}"
+            )
+        if self.aggregation == C.TRIMMED_MEAN and self.transport != P.FLOWER:
+            raise ConfigError(
+                f"aggregation {C.TRIMMED_MEAN!r} needs transport {P.FLOWER!r} (the others only "
+                "average); set aggregation = 'mean'"
+            )
+        if self.aggregation == C.TRIMMED_MEAN and self.min_groups < 3:
+            raise ConfigError(
+                f"aggregation {C.TRIMMED_MEAN!r} drops at least one group at each end of every "
+                f"coordinate: set min-groups >= 3 (got {self.min_groups}), or aggregation = 'mean'"
+            )
+        if self.clip_outliers and self.transport != P.FLOWER:
+            raise ConfigError(
+                f"clip-outliers needs transport {P.FLOWER!r} (the {self.transport} transport "
+                "cannot change one group's update); set clip-outliers = false"
+            )
+
     def _validate_dataplane(self) -> None:
-        if not isinstance(self.aggregators, int) or not 1 <= self.aggregators <= 256:
-            raise ConfigError(f"aggregators must be an integer in [1, 256], got {self.aggregators}")
         for address in self.remote_aggregators():
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"aggregator-addresses: {address!r} is not HOST:PORT")
+            check_address("aggregator-addresses:", address)
         if self.aggregator_addresses and not self.aggregator_secret_file:
             raise ConfigError(
                 "aggregator-addresses needs aggregator-secret-file: the secret those "
                 "aggregators were started with"
             )
-        if not self.dataplane_host:
-            raise ConfigError("dataplane-host must be an address the sites can reach")
+        check_host("dataplane-host", self.dataplane_host)
         tls = (self.dataplane_certfile, self.dataplane_keyfile, self.dataplane_ca_certfile)
         if not self.dataplane_insecure and not all(tls):
             raise ConfigError(

@@ -14,43 +14,52 @@ from pathlib import Path
 
 from flower_shard.config import choices as C
 from flower_shard.config.choices import check_choice, check_choices, choice
+from flower_shard.config.ranges import bounded, check_fields
 from flower_shard.errors import ConfigError
+
+MAX_RANKS = 1 << 20
+"""The most ranks (and groups, hosts) a world may have."""
+MAX_LOCAL_RANKS = 128
+"""The most ranks one host runs (a launcher's N / nnodes, a node's K): more would only
+oversubscribe it."""
+MAX_STEPS = 10**8
+"""The most steps, rounds or checkpoint intervals a setting may name."""
 
 
 @dataclass
 class TrainConfig:
     """Everything a group runtime needs to train; the CLI and the Flower apps fill it in."""
 
-    groups: int = 2
+    groups: int = bounded(2, 1, MAX_RANKS)
     """G: number of loosely coupled groups; G = 1 is plain FSDP/HSDP over all ranks (baseline)."""
-    nproc_per_group: int = 2
+    nproc_per_group: int = bounded(2, 1, MAX_RANKS)
     """K: ranks per group; the world size is N = G x K."""
-    nnodes: int = 1
+    nnodes: int = bounded(1, 1, MAX_RANKS)
     """Hosts the world spans; each host runs N / nnodes ranks (torchrun's --nnodes)."""
-    local_steps: int = 4
+    local_steps: int = bounded(4, 1, MAX_STEPS)
     """T: inner optimizer steps per round; the groups synchronise once per round."""
     adaptive_t: bool = False
     """Choose each round's T from the last round's timings, keeping the exchange at most
     --exchange-share of the round (flower_shard/planning/adaptive.py). T starts at --local-steps;
     the budget stays rounds x local-steps inner steps, so the number of rounds varies."""
-    exchange_share: float = 0.2
+    exchange_share: float = bounded(0.2, 0, 1, open_lo=True, open_hi=True)
     """--adaptive-t: the largest share of a round that the exchange between groups may take."""
-    min_local_steps: int = 1
+    min_local_steps: int = bounded(1, 1, MAX_STEPS)
     """--adaptive-t: the smallest T."""
-    max_local_steps: int = 64
+    max_local_steps: int = bounded(64, 1, MAX_STEPS)
     """--adaptive-t: the largest T; with Flower's `round-seconds`, the most steps a group
     trains in one round."""
-    rounds: int = 5
+    rounds: int = bounded(5, 1, MAX_STEPS)
     """Number of rounds (outer synchronisations)."""
     sharding: str = choice(C.FSDP, C.SHARDING_MODES)
     """Sharding inside a group: `fsdp` (1-D shard mesh) or `hsdp` (replicate x shard)."""
-    replicate: int = 1
+    replicate: int = bounded(1, 1, MAX_RANKS)
     """R: replicate degree for HSDP; the shard degree is S = K / R. Must be 1 for FSDP."""
     outer: str = choice(C.FEDAVG, C.OUTER_OPTIMIZERS)
     """Outer optimizer: `fedavg` (the mean replaces the weights) or `nesterov` (DiLoCo)."""
-    outer_lr: float = 0.7
+    outer_lr: float = bounded(0.7, 0, 100, open_lo=True)
     """Learning rate of the nesterov outer optimizer (DiLoCo uses 0.7)."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = bounded(0.9, 0, 1, open_hi=True)
     """Momentum of the nesterov outer optimizer."""
     sync_optimizer_state: bool = False
     """Also average AdamW's first and second moments in the outer sync."""
@@ -59,7 +68,7 @@ class TrainConfig:
     (float32), `bf16`, or `int8` (per-chunk scales); both transports
     (flower_shard/runtime/compression.py).
     """
-    compression_chunk: int = 2048
+    compression_chunk: int = bounded(2048, 1, 1 << 24)
     """int8: values per scale (one float32 scale per chunk: 4 / chunk bytes of overhead)."""
     error_feedback: bool = True
     """Carry what compression lost in one round into the next (per group); no effect for `none`.
@@ -83,44 +92,44 @@ class TrainConfig:
     """For `dirichlet`: the field of .jsonl / .parquet records that holds a document's label, or
     `directory` (the document's top-level directory, or its file at the top level: the only
     label text files have)."""
-    dirichlet_alpha: float = 0.5
+    dirichlet_alpha: float = bounded(0.5, 0, 1e6, open_lo=True)
     """For `dirichlet`: the concentration; smaller is more skewed (0.1: most labels go to one
     group; 100: close to iid)."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None means the byte-level tokenizer."""
-    data_workers: int = 0
+    data_workers: int = bounded(0, 0, 1024)
     """Processes that tokenise the corpus, each streaming its pieces to disk in bounded memory
     (0: one per core). A host tokenises a corpus once: runs and nodes share the result through
     the cache in $FLOWER_SHARD_CACHE (default ~/.cache/flower-shard; `none` turns it off)."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = bounded(0.05, 0, 1, open_lo=True, open_hi=True)
     """Fraction of documents held out for evaluation (text files, or records of .jsonl / .parquet
     files; chosen by a hash of the file's path and the record's index)."""
-    seq_len: int = 128
+    seq_len: int = bounded(128, 1, 1 << 20)
     """Tokens per training sequence."""
-    batch_size: int = 4
+    batch_size: int = bounded(4, 1, 1 << 20)
     """Sequences per rank per step (B_local); a group's batch is B_local x K."""
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, 0, 10, open_lo=True)
     """Peak learning rate of the inner AdamW."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = bounded(0.1, 0, 1)
     """The cosine schedule decays to lr x min_lr_ratio at the last step."""
-    warmup_frac: float = 0.1
+    warmup_frac: float = bounded(0.1, 0, 1, open_hi=True)
     """Fraction of all inner steps spent in linear warm-up."""
-    weight_decay: float = 0.1
+    weight_decay: float = bounded(0.1, 0, 100)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, 0, 1e6)
     """Clip the gradient norm of each group to this value; 0 disables clipping."""
     bf16: bool = False
     """Compute in bfloat16 (FSDP2 MixedPrecisionPolicy); parameters and reductions stay float32."""
-    seed: int = 0
+    seed: int = bounded(0, 0, 2**32 - 1)
     """Seed for model initialisation and data order; the same seed gives the same run."""
-    eval_every: int = 1
+    eval_every: int = bounded(1, 0, MAX_STEPS)
     """Evaluate held-out perplexity every E rounds (and after the last round); 0 disables."""
-    eval_sequences: int = 64
+    eval_sequences: int = bounded(64, 1, 1 << 24)
     """Held-out sequences per evaluation (the same set whatever the topology)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = bounded(0, 0, MAX_STEPS)
     """Save a checkpoint every C rounds (and after the last round) under OUT/checkpoints; 0 never.
     """
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = bounded(3, 0, MAX_STEPS)
     """Checkpoints kept per group (and on the server), newest first; 0 keeps all."""
     resume: str | None = None
     """Continue the run whose output directory this is, from its last good checkpoint (the run's
@@ -157,87 +166,45 @@ class TrainConfig:
         Field checks only: what needs the disk, ``transformers`` or CUDA (the data, the model
         directory, the tokenizer, a run to resume) is :func:`flower_shard.preflight.check`'s.
         """
-        for flag, value in (
-            ("--groups", self.groups),
-            ("--nproc-per-group", self.nproc_per_group),
-            ("--nnodes", self.nnodes),
-            ("--local-steps", self.local_steps),
-            ("--rounds", self.rounds),
-            ("--seq-len", self.seq_len),
-            ("--batch-size", self.batch_size),
-            ("--eval-sequences", self.eval_sequences),
-            ("--min-local-steps", self.min_local_steps),
-            ("--max-local-steps", self.max_local_steps),
-            ("--compression-chunk", self.compression_chunk),
-        ):
-            _positive(flag, value)
+        if self.adaptive_t:
+            self._validate_adaptive()
+        check_fields(self)  # every field's type and declared range (NaN and inf refused)
         check_choices(self)
-        if not isinstance(self.data_workers, int) or not 0 <= self.data_workers <= 1024:
-            raise ConfigError(
-                f"--data-workers must be an integer in [0, 1024] (0: one per core), got "
-                f"{self.data_workers!r}"
-            )
         if self.world_size % self.nnodes:
             raise ConfigError(
                 f"--nnodes {self.nnodes} does not divide the world size N = G x K = "
                 f"{self.groups} x {self.nproc_per_group} = {self.world_size}: every host runs "
                 "the same number of ranks"
             )
+        if self.world_size > MAX_RANKS:
+            raise ConfigError(
+                f"N = G x K = {self.world_size} ranks: at most {MAX_RANKS}; use fewer groups or "
+                "smaller ones"
+            )
         check_degrees(self.world_size, self.groups, self.sharding, self.replicate)
-        self._validate_rounds()
-        self._validate_optimizers()
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
-        if not self.text_column:
-            raise ConfigError("--text-column must name a field of the records, got ''")
-        self._validate_partition()
-        return self
-
-    def _validate_rounds(self) -> None:
-        """T (fixed or adaptive), evaluation and checkpoints."""
-        if self.adaptive_t and not (
-            0 < self.exchange_share < 1 and self.min_local_steps <= self.max_local_steps
-        ):
-            raise ConfigError(
-                f"--adaptive-t needs --exchange-share in (0, 1) and --min-local-steps <= "
-                f"--max-local-steps, got {self.exchange_share}, {self.min_local_steps}, "
-                f"{self.max_local_steps}"
-            )
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 0:
-            raise ConfigError(
-                "--checkpoint-every and --keep-checkpoints must be >= 0 (0: never / keep all)"
-            )
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval-every must be >= 0 (0 disables), got {self.eval_every}")
-
-    def _validate_optimizers(self) -> None:
-        """The inner AdamW and its schedule, the outer optimizer and the exchange's compression."""
         if self.compression != C.NO_COMPRESSION and self.sync_optimizer_state:
             raise ConfigError(
                 "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
                 "--sync-optimizer-state or use --compression none"
             )
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.warmup_frac < 1:
-            raise ConfigError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("--weight-decay and --grad-clip must be >= 0")
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+        if not self.text_column:
+            raise ConfigError("--text-column must name a field of the records, got ''")
+        self._validate_partition()
+        return self
+
+    def _validate_adaptive(self) -> None:
+        """--adaptive-t's settings, together (their types and ranges are checked after)."""
+        share, low, high = self.exchange_share, self.min_local_steps, self.max_local_steps
+        numbers = all(isinstance(v, (int, float)) for v in (share, low, high))
+        if numbers and not (0 < share < 1 and low <= high):  # `not (...)` also refuses NaN
             raise ConfigError(
-                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
-                f"{self.outer_lr} and {self.outer_momentum}"
+                f"--adaptive-t needs --exchange-share in (0, 1) and --min-local-steps <= "
+                f"--max-local-steps, got {share}, {low}, {high}"
             )
 
     def _validate_partition(self) -> None:
-        """The --partition settings (the choice itself is checked with the others)."""
-        if not self.dirichlet_alpha > 0:  # `not >` also refuses NaN
-            raise ConfigError(
-                "--dirichlet-alpha must be > 0 (smaller is more skewed), got "
-                f"{self.dirichlet_alpha}"
-            )
+        """The --partition settings that depend on each other (the choice and
+        --dirichlet-alpha's range are checked with the other fields)."""
         if self.partition == C.DIRICHLET and not self.partition_label:
             raise ConfigError(
                 "--partition dirichlet needs --partition-label: a field of the records, or "
@@ -262,11 +229,6 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"{path}: unknown configuration keys {unknown}")
         return cls(**raw)
-
-
-def _positive(flag: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
 
 
 def check_degrees(world_size: int, groups: int, sharding: str = C.FSDP, replicate: int = 1) -> None:

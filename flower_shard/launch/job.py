@@ -12,6 +12,7 @@ import sys
 
 from flower_shard import logs
 from flower_shard.config import TrainConfig
+from flower_shard.launch.guard import die_with_agent
 from flower_shard.runtime.trainer import JobTrainer, RoundLog
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def open_metrics_log(cfg: TrainConfig, resumed: int) -> RoundLog:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_agent()  # a rank whose torchrun is gone could only hang in a collective
     argv = sys.argv[1:] if argv is None else argv
     logs.setup(prefix="flower-shard")
     if len(argv) != 1:

@@ -4,6 +4,10 @@ Flower's SuperLink and SuperNode start helpers (SuperExec, ServerApp and ClientA
 in new sessions, which outlive a plain kill of the parent's process group. So every process
 started here carries a marker in its environment, inherited by everything it spawns; stopping
 kills the process group and then every process on the host that still carries the marker.
+
+A launcher killed outright (SIGKILL) stops nothing, so every process started here also gets a
+parent-death signal (:mod:`flower_shard.launch.guard`: SIGTERM when the thread that started it
+ends). Start them from a thread that lives as long as they should (the main thread does).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+
+from flower_shard.launch.guard import guarded
 
 MARKER = "FLOWER_SHARD_TREE"
 
@@ -96,11 +102,12 @@ class ManagedProcess:
 def start_marked(
     cmd: list[str], env: dict[str, str] | None = None, **popen
 ) -> tuple[subprocess.Popen, str]:
-    """Start ``cmd`` in its own session with a fresh marker in its environment."""
+    """Start ``cmd`` in its own session with a fresh marker in its environment; it gets SIGTERM
+    when this process dies (:func:`~flower_shard.launch.guard.guarded`)."""
     marker = uuid.uuid4().hex
     env = dict(os.environ if env is None else env)
     env[MARKER] = marker
-    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen), marker
+    return subprocess.Popen(guarded(cmd), env=env, start_new_session=True, **popen), marker
 
 
 def stop_tree(proc: subprocess.Popen, marker: str, grace_s: float = 10.0) -> None:

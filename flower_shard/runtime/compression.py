@@ -132,11 +132,18 @@ def to_bytes(payload: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def from_bytes(raw: torch.Tensor, kind: str, numel: int, chunk: int) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_bytes` for a payload of ``numel`` values."""
+    """Inverse of :func:`to_bytes` for a payload of ``numel`` values (any ``numel``: an array
+    that does not start on a multiple of its item size is copied, not viewed)."""
     out, offset = {}, 0
     for name, (shape, dtype) in spec(kind, numel, chunk).items():
-        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        out[name] = raw[offset : offset + size].view(dtype).reshape(shape)
+        width = torch.empty(0, dtype=dtype).element_size()
+        size = math.prod(shape) * width
+        part = raw[offset : offset + size]
+        # int8 data of n values puts the scales at byte n: a float32 view needs an offset that
+        # is a multiple of 4 (any n that is not, e.g. an uneven shard), so copy those bytes.
+        if part.storage_offset() % width:
+            part = part.clone()
+        out[name] = part.view(dtype).reshape(shape)
         offset += size
     return out
 

@@ -161,13 +161,13 @@ def train_from_args(args: argparse.Namespace) -> int:
     ``--dry-run``, print the torchrun command)."""
     from flower_shard import runfiles
     from flower_shard.launch.torchrun import launch_train, torchrun_command
-    from flower_shard.preflight import check
+    from flower_shard.preflight import check, check_out
 
     cfg = config_from_args(args)
     if not args.dry_run:
         return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     # The command may be meant for another host: CUDA need not be present here.
-    check(dataclasses.replace(cfg, device=C.AUTO))
+    check_out(check(dataclasses.replace(cfg, device=C.AUTO)))
     cmd = torchrun_command(
         cfg,
         Path(cfg.out, runfiles.CONFIG_FILE),

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from flower_shard import protocol as P
-from flower_shard import runfiles as F
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config import identity as I
 from flower_shard.runtime import checkpoint as C
+from flower_shard.runtime.group_checkpoint import REQUIRED
 from flower_shard.runtime.group_trainer import GroupTrainer
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,29 @@ class GroupCheckpoints:
         resume = resume_round(config)
         if resume == 0 and is_collective(config):  # a dropped group does not rejoin the collective
             return None
+        root = self.root_of(config)
+        wanted = (lambda r: r == resume) if is_collective(config) else (lambda r: True)
         found = C.latest_good(
-            self.root_of(config),
+            root,
             at_most=resume or int(config[P.SERVER_ROUND]) - 1,
-            accept=(lambda r: r == resume) if is_collective(config) else (lambda r: True),
+            accept=lambda r: wanted(r) and self._ours(C.round_dir(root, r), config),
             log=log.warning,
+            required=REQUIRED,
         )
         return found[1] if found else None
+
+    @staticmethod
+    def _ours(path: Path, config: dict) -> bool:
+        """Whether the checkpoint at ``path`` records this run and this group (logged if not:
+        a directory copied or linked from another run's or group's)."""
+        try:
+            I.check_identity(
+                C.read_identity(path), config.get(P.RUN_NAME, ""), config[P.GROUP_INDEX], str(path)
+            )
+        except (ConfigError, C.CheckpointError) as exc:
+            log.warning("checkpoint refused: %s", exc)
+            return False
+        return True
 
     def check_resumable(self, config: dict) -> None:
         """Rank 0: refuse a resumed collective run whose checkpoint this group lacks."""
@@ -124,10 +141,13 @@ class GroupCheckpoints:
         return loaded.extra
 
     def save(self, config: dict, trainer: GroupTrainer, rnd: int, extra: dict | None) -> None:
-        """Every rank: checkpoint the state after round ``rnd`` (the folder's ``run.json`` says
-        which run it belongs to)."""
+        """Every rank: checkpoint the state after round ``rnd``; the folder's and the
+        checkpoint's ``run.json`` say which run and group it belongs to, and its settings."""
         root = self.root_of(config)
-        if dist.get_rank() == 0 and not (root / F.RUN_FILE).exists():
+        identity = I.make_identity(
+            str(config.get(P.RUN_NAME, "")), int(config[P.GROUP_INDEX]), run_key(config)
+        )
+        if dist.get_rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
-            (root / F.RUN_FILE).write_text(json.dumps(run_key(config), indent=1) + "\n")
-        trainer.checkpointer.save(root, rnd, extra)
+            C.write_identity(root, identity)
+        trainer.checkpointer.save(root, rnd, extra, identity)

@@ -16,14 +16,17 @@ an error and goes on. Any other exception in the middle of a collective command 
 ranks out of step, so the whole job exits (torchrun stops every rank) and whoever started it
 restarts it.
 
-Started by ``flower-shard node``: ``torchrun --nproc-per-node K -m
-flower_shard.flower.group.service --address unix:PATH --work-dir DIR``
+Started by ``flower-shard node``: ``python -m flower_shard.launch.agent --nproc-per-node=K
+--nnodes=1 --node-rank=0 --master-addr=127.0.0.1 --master-port=0 -m
+flower_shard.flower.group.service --address unix:PATH --work-dir DIR`` (torchrun with its
+store on loopback; each rank dies with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import sys
 import time
@@ -38,6 +41,7 @@ from flower_shard.config import ConfigError
 from flower_shard.config.choices import AUTO, DEVICES
 from flower_shard.flower import wire
 from flower_shard.flower.group.worker import GroupWorker
+from flower_shard.launch.guard import die_with_agent
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,17 @@ class ControlServer:
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(P.SERVICE, handlers),)
         )
-        if self.server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
-            raise RuntimeError(f"cannot bind the group control service to {address}")
-        self.server.start()
+        # A Unix socket is created owner-only (umask 077 while it is bound): whoever can
+        # connect to it can drive the group.
+        previous = os.umask(0o077)
+        try:
+            if self.server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+                raise RuntimeError(f"cannot bind the group control service to {address}")
+            self.server.start()
+        finally:
+            os.umask(previous)
+        if address.startswith("unix:"):
+            os.chmod(address.removeprefix("unix:"), 0o600)
 
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
@@ -133,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_agent()  # a rank whose torchrun is gone could only hang in a collective
     p = argparse.ArgumentParser(prog="flower_shard.flower.group.service")
     p.add_argument("--address", required=True, help="unix:/path/group.sock or 127.0.0.1:PORT")
     p.add_argument("--work-dir", required=True, help="where the group keeps its prepared data")

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from flower_shard.config import choices as C
 from flower_shard.config.choices import check_choices, choice, choices_of
+from flower_shard.config.federation import MAX_SECONDS
+from flower_shard.config.ranges import MAX_PORT, bounded, check_address, check_fields
+from flower_shard.config.train import MAX_LOCAL_RANKS
 from flower_shard.errors import ConfigError
 from flower_shard.preflight import check_data
 
@@ -30,12 +35,14 @@ class NodeConfig:
 
     superlink: str = "127.0.0.1:8000"
     """SuperLink address (HOST:PORT) the SuperNode connects to."""
-    nproc_per_group: int = 2
+    nproc_per_group: int = bounded(2, 1, MAX_LOCAL_RANKS)
     """K: ranks in this node's group."""
-    port: int | None = None
+    port: int | None = bounded(None, 1, MAX_PORT)
     """The SuperNode's local API port (distinct per node on one host); None picks a free one."""
     work_dir: str | None = None
-    """Where the group keeps its socket, data and logs; None makes a private temporary dir."""
+    """Where the group keeps its socket, data, checkpoints and logs: a new path (created
+    owner-only), or a directory of this user that no one else can write; None makes a private
+    temporary dir."""
     data: str | None = None
     """This node's directory of text files, or a .jsonl / .parquet file whose run-config
     `text-column` holds the text (default: the standard library's source)."""
@@ -54,7 +61,7 @@ class NodeConfig:
     before anything starts."""
     dump_dir: str | None = None
     """Debug: the group writes its weights at each stage of each round here."""
-    poll_interval: float = 0.1
+    poll_interval: float = bounded(0.1, 0, 3, open_lo=True)
     """The SuperNode's idle poll in seconds (Flower's own is 3 s; see fast_supernode)."""
     warm_clientapp: bool = True
     """Serve every message from one long-lived ClientApp process
@@ -62,9 +69,9 @@ class NodeConfig:
     costs seconds of start-up per round. False: Flower's own process isolation between messages."""
     fault_file: str | None = None
     """Fault injection: the group spoils its replies as this file says (tests, drills)."""
-    ready_timeout: float = 180.0
+    ready_timeout: float = bounded(180.0, 0, MAX_SECONDS, open_lo=True)
     """Seconds to wait for the group and the SuperNode to come up."""
-    max_restarts: int = 3
+    max_restarts: int = bounded(3, 0, 1000)
     """Restart the group up to this many times when it dies (a rank killed, out of memory);
     the SuperNode stays connected, so the group keeps its place and rejoins at the next round.
     0: the node exits when its group dies."""
@@ -72,22 +79,13 @@ class NodeConfig:
     def validate(self) -> NodeConfig:
         """Raise :class:`ConfigError` (one line naming the flag) on the first wrong value, before
         anything starts; return self."""
+        check_fields(self)  # types and declared ranges (NaN, inf, out-of-range ports refused)
         check_choices(self)
-        host, _, port = self.superlink.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--superlink {self.superlink!r} must be HOST:PORT")
-        if self.nproc_per_group < 1:
-            raise ConfigError(f"--nproc-per-group must be >= 1, got {self.nproc_per_group}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if not 0 < self.poll_interval <= 3:
-            raise ConfigError(
-                f"--poll-interval must be in (0, 3] seconds, got {self.poll_interval}"
-            )
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ConfigError(f"--port {self.port} is not a TCP port")
+        check_address("--superlink", self.superlink)
         if self.data is not None:
             check_data(self.data)
+        if self.work_dir is not None:
+            check_work_dir(self.work_dir)
         for flag, path in (
             ("--root-certificates", self.root_certificates),
             ("--auth-supernode-private-key", self.auth_private_key),
@@ -148,6 +146,33 @@ class NodeConfig:
                     f"of --auth-supernode-private-key {self.auth_private_key}: pass the pair "
                     "(or leave the public key out; Flower derives it)"
                 )
+
+
+def check_work_dir(path: str) -> None:
+    """Raise :class:`ConfigError` unless ``--work-dir`` is a new path below a directory, or an
+    existing directory that this user owns and that no one else can write: the node keeps its
+    control socket, data and checkpoints there, and never changes the mode of a directory it
+    did not create."""
+    work = Path(path)
+    if not work.exists():
+        parent = next((p for p in work.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"--work-dir {path}: {parent} is not a directory")
+        return
+    info = work.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"--work-dir {path} is not a directory; give a directory or a new path")
+    if info.st_uid != os.getuid():
+        raise ConfigError(
+            f"--work-dir {path} belongs to user {info.st_uid}, not to you ({os.getuid()}): give a "
+            "directory of your own, or a new path (created owner-only)"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"--work-dir {path} can be written by others (mode {stat.S_IMODE(info.st_mode):o}): "
+            "give a directory only you can write (chmod go-w), or a new path (created "
+            "owner-only)"
+        )
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:

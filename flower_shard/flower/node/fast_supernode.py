@@ -31,6 +31,7 @@ import threading
 import time as _time
 
 from flower_shard import logs
+from flower_shard.launch.guard import guarded
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ class _WarmSuperExec:
     def Popen(cls, command, *args, **kwargs):  # noqa: N802 - the name being replaced
         if not (command and command[0] == "flower-superexec"):
             return _subprocess.Popen(command, *args, **kwargs)
-        command = [sys.executable, "-m", "flower_shard.flower.node.warm_superexec", *command[1:]]
+        # Guarded: it gets SIGTERM the moment this SuperNode dies (Flower's own --parent-pid
+        # watch polls, and turns a parent's death into SIGINT).
+        command = guarded(
+            [sys.executable, "-m", "flower_shard.flower.node.warm_superexec", *command[1:]]
+        )
         proc = _subprocess.Popen(command, *args, **kwargs)
         threading.Thread(target=cls._watch, args=(proc, command, args, kwargs), daemon=True).start()
         return proc

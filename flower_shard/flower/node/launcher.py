@@ -1,17 +1,23 @@
 """``flower-shard node``: one Flower client = a torchrun group + a ``flower-supernode``.
 
-Starts the group (K ranks, control service on a Unix socket in an owner-only directory), waits
-until it answers, then starts ``flower-supernode`` with the node config that points the
-ClientApp at the group, and waits until the SuperNode is up. From then on it watches both: on
-SIGINT/SIGTERM, or when either one dies, it stops both process trees (including the SuperExec
-and ClientApp processes that Flower detaches) and exits.
+Starts the group (K ranks under torchrun with its rendezvous on 127.0.0.1 and gloo / NCCL on
+loopback; the control service on an owner-only Unix socket in a work directory that only this
+user can write), waits until it answers, then starts ``flower-supernode`` with the node config
+that points the ClientApp at the group, and waits until the SuperNode is up. From then on it
+watches both: on SIGINT/SIGTERM, or when either one dies, it stops both process trees
+(including the SuperExec and ClientApp processes that Flower detaches), removes the socket and
+any interrupted checkpoint save, and exits. Killed outright (SIGKILL), it leaves nothing
+running either: the group's torchrun and the SuperNode get a parent-death signal, the ranks
+die with torchrun, the SuperExec with the SuperNode (:mod:`flower_shard.launch.guard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -20,7 +26,13 @@ from pathlib import Path
 from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.flower.node import fast_supernode
-from flower_shard.flower.node.config import NodeConfig
+from flower_shard.flower.node.config import NodeConfig, check_work_dir
+from flower_shard.launch.agent import (
+    AGENT_MODULE,
+    LOOPBACK,
+    LOOPBACK_INTERFACE,
+    SOCKET_IFNAME_ENVS,
+)
 from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
 from flower_shard.threads import with_threads
 
@@ -93,11 +105,9 @@ class Node:
     def __init__(self, cfg: NodeConfig, prefix: list[str] | None = None):
         """``prefix`` runs the group and the SuperNode through a wrapper command (the
         multi-tier benchmark puts a node in a network namespace: ``ip netns exec SITE``)."""
-        self.cfg = cfg.validate()
+        self.cfg = cfg.validate()  # an existing work dir must be ours, writable by us alone
         self.prefix = list(prefix or [])
-        self.work_dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix="flower-shard-node-"))
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.work_dir, 0o700)  # the control socket is for this user only
+        self.work_dir = own_work_dir(cfg.work_dir)
         self.address = f"unix:{self.work_dir / F.GROUP_SOCKET}"
         self.port = cfg.port or free_port()
         self.group: ManagedProcess | None = None
@@ -119,13 +129,17 @@ class Node:
     def launch_group(self) -> None:
         """Spawn the group's torchrun job (returns at once; see :meth:`wait_group`)."""
         k = self.cfg.nproc_per_group
+        self._clean()  # what a dead group left: its socket (it would block the new one's bind)
         cmd = [
             *self.prefix,
             sys.executable,
             "-m",
-            "torch.distributed.run",
-            "--standalone",
+            AGENT_MODULE,  # torchrun with its store on 127.0.0.1; the ranks die with it
             f"--nproc-per-node={k}",
+            "--nnodes=1",
+            "--node-rank=0",
+            f"--master-addr={LOOPBACK}",
+            "--master-port=0",
             "-m",
             GROUP_MODULE,
             "--address",
@@ -144,6 +158,8 @@ class Node:
         if self.cfg.root_certificates:  # the streaming transport's aggregators use it too
             cmd += ["--root-certificates", self.cfg.root_certificates]
         env = with_threads(env_with_bin(), k)
+        for name in SOCKET_IFNAME_ENVS:  # gloo / NCCL on loopback unless told otherwise
+            env.setdefault(name, LOOPBACK_INTERFACE)
         self.group = ManagedProcess("group", cmd, self.work_dir / F.GROUP_LOG, env)
 
     def wait_group(self) -> None:
@@ -243,7 +259,6 @@ class Node:
             f"{self.restarts}/{self.cfg.max_restarts}:\n{self.group.tail(5)}"
         )
         self.group.stop()
-        Path(self.address.removeprefix("unix:")).unlink(missing_ok=True)
         self.launch_group()
         return None
 
@@ -255,7 +270,7 @@ class Node:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if GROUP_MODULE.encode() in cmd and b"torch.distributed.run" not in cmd:
+            if GROUP_MODULE.encode() in cmd and AGENT_MODULE.encode() not in cmd:
                 pids.append(pid)
         return pids
 
@@ -267,9 +282,41 @@ class Node:
         return None
 
     def stop(self) -> None:
+        """Stop both process trees, then remove the socket and interrupted checkpoint saves."""
         for part in (self.supernode, self.group):
             if part is not None:
                 part.stop()
+        self._clean()
+
+    def _remove_socket(self) -> None:
+        path = Path(self.address.removeprefix("unix:"))
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+
+    def _clean(self) -> None:
+        """What a stopped group leaves: its socket and checkpoint staging directories."""
+        from flower_shard.runtime import checkpoint as C
+
+        self._remove_socket()
+        for removed in C.clean_staging(self.work_dir / F.CHECKPOINTS_DIR):
+            logger.warning("removed %s, left by an interrupted checkpoint save", removed)
+
+
+def own_work_dir(path: str | None) -> Path:
+    """The node's work directory: a new private temporary one (None), a new one created
+    owner-only (mode 0700), or an existing one, which :meth:`NodeConfig.validate` checked to be
+    ours and writable by us alone. The mode of a directory the node did not create is never
+    changed."""
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix="flower-shard-node-"))
+    work = Path(path)
+    if not work.exists():
+        work.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
+            work.mkdir(mode=0o700)
+    check_work_dir(str(work))
+    return work
 
 
 def run_node(cfg: NodeConfig) -> int:

@@ -1,68 +1,169 @@
-"""Server-side math on full arrays, as pure functions: weighted and robust means, outliers.
+"""Server-side math on full arrays, as pure functions: weighted and trimmed means, update norms,
+clipping.
 
+Nothing here can overflow on finite inputs: weights are rescaled by one power of two before use
+(:func:`scaled_weights`: exact, so a mean is bit-identical to ``sum w x / sum w`` computed
+directly whenever that does not overflow) and sums run in float64 over float32 values. The
+rules that decide the weights and the clipping are :mod:`~flower_shard.flower.server.robust`'s;
+the replies are checked before any of this runs (:mod:`~flower_shard.flower.server.replies`).
 The outer step is the group runtime's own
 :class:`~flower_shard.runtime.outer_optimizer.OuterOptimizer`, applied to the whole model
 flattened in a fixed key order (:mod:`flower_shard.flower.wire`).
-The replies are checked before any of this runs (:mod:`flower_shard.flower.server.replies`).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from flower_shard.flower.wire import Arrays
 
+TRIM_CHUNK = 1 << 20
+"""Values per array that the trimmed mean sorts at once (bounds its memory: ~5 x G x 8 bytes
+per value)."""
 
-def weighted_mean(models: list[Arrays], weights: list[float]) -> dict[str, np.ndarray]:
-    """sum_i w_i x_i / sum_i w_i per array, accumulated in float64, returned in float32."""
-    total = float(sum(weights))
+
+def scaled_weights(weights: Sequence[float]) -> np.ndarray:
+    """The weights as float64, all divided by one power of two so that the largest is in
+    [0.5, 1): the ratios are exact, and a sum of G weighted float32 values cannot overflow.
+
+    Raises
+    ------
+    ValueError
+        A weight that is not a number (a bool, a string), not finite, or negative; no weight
+        above 0.
+    """
+    values = []
+    for w in weights:
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.number)):
+            raise ValueError(f"a weight must be a number, got {type(w).__name__} {w!r}")
+        w = int(w) if isinstance(w, (int, np.integer)) else float(w)
+        if not (isinstance(w, int) or math.isfinite(w)) or w < 0:
+            raise ValueError(f"weights must be finite and >= 0, got {w!r}")
+        values.append(w)
+    if not any(w > 0 for w in values):
+        raise ValueError(f"at least one weight must be above 0, got {values}")
+    top = max(values)
+    # top / 2**e is in [0.5, 1): an int's bit length, a float's binary exponent.
+    e = top.bit_length() if isinstance(top, int) else math.frexp(top)[1]
+    scaled = [w / (1 << e) if isinstance(w, int) and e >= 0 else math.ldexp(w, -e) for w in values]
+    return np.array(scaled, dtype=np.float64)
+
+
+def weighted_mean(models: list[Arrays], weights: Sequence[float]) -> dict[str, np.ndarray]:
+    """sum_i w_i x_i / sum_i w_i per array, accumulated in float64, returned in float32.
+
+    The weights are :func:`scaled_weights` (exact rescaling), so any finite weights work, and
+    the result is the same bits as the direct formula wherever that one does not overflow.
+    """
+    scaled = scaled_weights(weights)
+    total = math.fsum(scaled)
     out = {}
     for name in models[0]:
         acc = np.zeros(models[0][name].shape, dtype=np.float64)
-        for model, w in zip(models, weights):
-            acc += float(w) * model[name].astype(np.float64)
+        for model, w in zip(models, scaled):
+            acc += w * model[name].astype(np.float64)
         out[name] = (acc / total).astype(np.float32)
     return out
 
 
-def update_norms(models: list[Arrays], global_weights: Arrays) -> list[float]:
-    """||x_g - global|| over all arrays of each group (float64)."""
-    norms = []
-    for model in models:
-        sq = sum(
-            float(np.sum((model[k].astype(np.float64) - global_weights[k]) ** 2))
-            for k in global_weights
-        )
-        norms.append(sq**0.5)
-    return norms
+def trim_count(groups: int, fraction: float) -> int:
+    """Groups dropped at EACH end of every coordinate: ``max(1, floor(fraction x G))``, at most
+    as many as leave one value.
 
-
-def norm_outliers(norms: list[float], factor: float) -> dict[int, str]:
-    """Groups whose update is more than ``factor`` x the median of the OTHER groups' updates.
-
-    Leave-one-out, so that with two groups the large one is caught (a plain median of two
-    would sit halfway). ``factor`` <= 0, or a single group, disables the rule.
+    Raises
+    ------
+    ValueError
+        Fewer than 3 groups: nothing is left once one group is dropped at each end.
     """
+    if groups < 3:
+        raise ValueError(
+            f"trimmed-mean drops at least one group at each end of every coordinate: it needs "
+            f"3 or more groups, this round has {groups}"
+        )
+    return min(max(1, math.floor(fraction * groups)), (groups - 1) // 2)
+
+
+def trimmed_mean(
+    models: list[Arrays], weights: Sequence[float], trim_fraction: float
+) -> dict[str, np.ndarray]:
+    """Coordinate-wise trimmed mean, weighted.
+
+    For every coordinate, the values of the G groups are sorted and the :func:`trim_count`
+    lowest and highest are dropped whatever their weights (a large weight cannot shield an
+    extreme value); the values left are averaged with their groups' weights (each coordinate
+    renormalised by the weights of the groups it kept). Equal weights give the plain trimmed
+    mean. Ties are broken by group order.
+
+    Raises
+    ------
+    ValueError
+        Fewer than 3 groups (:func:`trim_count`), or a weight that is not > 0.
+    """
+    k = trim_count(len(models), trim_fraction)
+    scaled = scaled_weights(weights)
+    if not (scaled > 0).all():
+        raise ValueError("trimmed-mean needs every weight above 0")
     out = {}
-    if factor <= 0 or len(norms) < 2:
-        return out
-    for i, n in enumerate(norms):
-        ref = float(np.median([m for j, m in enumerate(norms) if j != i]))
-        if n > factor * max(ref, 1e-12):
-            out[i] = (
-                f"update norm {n:.3g} is {n / max(ref, 1e-12):.1f}x the median of the "
-                f"other groups ({ref:.3g}); the limit is {factor:g}x"
-            )
+    for name in models[0]:
+        flat = [m[name].reshape(-1) for m in models]
+        result = np.empty(flat[0].size, dtype=np.float32)
+        for start in range(0, flat[0].size, TRIM_CHUNK):
+            part = np.stack([f[start : start + TRIM_CHUNK].astype(np.float64) for f in flat])
+            order = np.argsort(part, axis=0, kind="stable")[k : len(models) - k]
+            kept = np.take_along_axis(part, order, axis=0)
+            w = scaled[order]
+            result[start : start + TRIM_CHUNK] = (kept * w).sum(axis=0) / w.sum(axis=0)
+        out[name] = result.reshape(models[0][name].shape)
     return out
 
 
-def trimmed_mean(models: list[Arrays], trim_fraction: float) -> dict[str, np.ndarray]:
-    """Coordinate-wise mean after dropping the floor(trim x G) lowest and highest values."""
-    k = int(trim_fraction * len(models))
-    if k == 0 or len(models) - 2 * k < 1:
-        return weighted_mean(models, [1.0] * len(models))
+@dataclass(frozen=True)
+class Norms:
+    """The size of one update (``trained - global``, or a decoded pseudo-gradient)."""
+
+    l2: float
+    """Its Euclidean norm over the whole model."""
+    linf: float
+    """Its largest coordinate, in absolute value."""
+
+
+def update_norms(models: list[Arrays], global_weights: Arrays) -> list[Norms]:
+    """The :class:`Norms` of ``x_g - global`` over all arrays of each group (float64)."""
+    out = []
+    for model in models:
+        sq, peak = 0.0, 0.0
+        for k in global_weights:
+            d = model[k].astype(np.float64) - global_weights[k]
+            sq += float(np.dot(d.reshape(-1), d.reshape(-1)))
+            peak = max(peak, float(np.abs(d).max(initial=0.0)))
+        out.append(Norms(math.sqrt(sq), peak))
+    return out
+
+
+def delta_norms(delta: np.ndarray) -> Norms:
+    """The :class:`Norms` of a flat pseudo-gradient (float64)."""
+    d = delta.astype(np.float64).reshape(-1)
+    return Norms(math.sqrt(float(np.dot(d, d))), float(np.abs(d).max(initial=0.0)))
+
+
+def clip_delta(delta: np.ndarray, scale: float, bound: float | None) -> np.ndarray:
+    """``scale x clamp(delta, -bound, bound)`` in float64 (``bound`` None: no clamp)."""
+    d = delta.astype(np.float64)
+    if bound is not None:
+        np.clip(d, -bound, bound, out=d)
+    return d * scale
+
+
+def clip_update(
+    model: Arrays, global_weights: Arrays, scale: float, bound: float | None
+) -> dict[str, np.ndarray]:
+    """The model whose update is :func:`clip_delta` of ``model``'s: ``global + scale x
+    clamp(model - global, -bound, bound)`` per array, float64."""
     out = {}
-    for name in models[0]:
-        stacked = np.sort(np.stack([m[name].astype(np.float64) for m in models]), axis=0)
-        out[name] = stacked[k : len(models) - k].mean(axis=0).astype(np.float32)
+    for k, g in global_weights.items():
+        out[k] = g + clip_delta(model[k].astype(np.float64) - g, scale, bound)
     return out

@@ -6,27 +6,29 @@ pseudo-gradient). Nothing in it is trusted: a node may run other code, a group m
 a message may be damaged. Each value the server reads is checked here for its type (an integer
 count is an ``int``, a measurement a number; never a bool, a string or a list), for being
 finite, and for a range the server can justify from what it sent (see :class:`ReplyRules`);
-arrays for their names, shapes, dtypes and finiteness. Checking yields typed values
-(:class:`TrainReply`); a failed check raises :class:`Rejected` with a one-line reason, and
-:func:`check_train_replies` turns any exception of one reply into that reply's rejection, so a
-bad reply never stops the round.
+the token count must be exactly what a group of some size K makes in the steps it reports,
+with the same K as the node's last valid reply; arrays are checked for their names, shapes,
+dtypes and finiteness (:mod:`~flower_shard.flower.server.payloads`). Checking yields typed
+values (:class:`TrainReply`); a failed check raises :class:`Rejected` with a one-line reason,
+and :func:`check_train_replies` turns any exception of one reply into that reply's rejection,
+so a bad reply never stops the round.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import WARNING
 from typing import TypeVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from flower_shard import protocol as P
-from flower_shard.flower.wire import Arrays, Spec, unflatten_flat, unpack
+from flower_shard.flower.server.payloads import Payload, Rejected, array_record, check_arrays
+from flower_shard.flower.wire import Spec
 
 MAX_GROUP_RANKS = 1 << 16
 """The most ranks a group (K) can have: bounds the tokens a group can claim per step."""
@@ -36,12 +38,6 @@ MAX_BYTES = float(1 << 53)
 """Bytes a rank can send in one round: 8 PiB, beyond any link (and exact in float64)."""
 MAX_PID = 1 << 22
 """Linux's largest pid_max."""
-DELTA = "delta"
-"""A compressed reply's decoded pseudo-gradient: one flat float32 vector in sorted-name order."""
-
-
-class Rejected(ValueError):
-    """A reply the server cannot use; the message is the reason (one line)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,9 @@ class ReplyRules:
     max_seconds: float
     """The longest a group can have worked on a round whose reply the server received (the
     strategy allows twice round-timeout)."""
+    ranks: Mapping[int, int] = field(default_factory=dict)
+    """Node -> the group size K of its valid reply in the previous round (a node without one
+    may report any K)."""
 
     @property
     def max_tokens(self) -> int:
@@ -109,18 +108,6 @@ EVAL_FIELD = Field("eval_loss", P.EVAL_LOSS, False, 0.0, lambda r: MAX_LOSS)
 
 
 @dataclass(frozen=True)
-class Payload:
-    """The arrays of a reply, checked and decoded, as the transport's aggregation reads them."""
-
-    arrays: dict[str, np.ndarray]
-    """The model's named arrays, or ``{DELTA: flat pseudo-gradient}`` (compressed)."""
-    nbytes: int
-    """The size of the ``arrays`` record as it crossed Flower."""
-    decode_s: float
-    """The server's time to check and decode it (a part of the flower transport's sync)."""
-
-
-@dataclass(frozen=True)
 class TrainReply:
     """A checked training reply: every value the server reads, typed and in range."""
 
@@ -135,6 +122,8 @@ class TrainReply:
     intra_bytes: float
     group_round_s: float
     clientapp_pid: int = 0
+    ranks: int = 0
+    """The group's size K, from its token count (``steps x batch x seq x K``); 0: not derived."""
     outer_sync_s: float = 0.0
     outer_sync_bytes: float = 0.0
     payload: Payload | None = None
@@ -167,7 +156,29 @@ def check_train_reply(
             f"metric {P.GROUP!r} is {values['group']}, but the node was sent group "
             f"{rules.groups[node]}"
         )
-    return TrainReply(node=node, **values, payload=payload(content) if payload else None)
+    ranks = group_ranks(values["num_tokens"], values["steps"], rules.tokens_per_step)
+    before = rules.ranks.get(node)
+    if before is not None and ranks != before:
+        raise Rejected(
+            f"the group reports K = {ranks} ranks ({P.NUM_TOKENS}), K = {before} last round: a "
+            "group changes size only across a restart (it is taken again from the next round)"
+        )
+    content_payload = payload(content) if payload else None
+    return TrainReply(node=node, **values, ranks=ranks, payload=content_payload)
+
+
+def group_ranks(num_tokens: int, steps: int, tokens_per_step: int) -> int:
+    """The group size K for which ``num_tokens = steps x tokens_per_step x K`` exactly, as a
+    group counts its tokens (every rank of the group processes one batch per step); raises
+    :class:`Rejected` if there is no such K in [1, :data:`MAX_GROUP_RANKS`]."""
+    per_rank = steps * tokens_per_step
+    ranks, rest = divmod(num_tokens, per_rank)
+    if rest or not 1 <= ranks <= MAX_GROUP_RANKS:
+        raise Rejected(
+            f"metric {P.NUM_TOKENS!r} is {num_tokens}, not steps x batch-size x seq-len x K "
+            f"({steps} x {tokens_per_step} x K) for a whole K in [1, {MAX_GROUP_RANKS}]"
+        )
+    return ranks
 
 
 def check_train_replies(
@@ -177,14 +188,19 @@ def check_train_replies(
     fields: tuple[Field, ...] = TRAIN_FIELDS,
     payload: PayloadCheck | None = None,
 ) -> tuple[list[TrainReply], list[str]]:
-    """The round's valid training replies and, for each other one, ``node N: reason``."""
-    return screen(
-        server_round,
-        MessageType.TRAIN,
-        replies,
-        lambda msg: check_train_reply(msg, rules, fields, payload),
-        rules.asked,
-    )
+    """The round's valid training replies and, for each other one, ``node N: reason``.
+
+    A node's second valid reply in one round is rejected (its weight would count twice)."""
+    seen: set[int] = set()
+
+    def check(msg: Message) -> TrainReply:
+        reply = check_train_reply(msg, rules, fields, payload)
+        if reply.node in seen:
+            raise Rejected("a second reply to the same message")
+        seen.add(reply.node)
+        return reply
+
+    return screen(server_round, MessageType.TRAIN, replies, check, rules.asked)
 
 
 def check_eval_reply(msg: Message) -> float:
@@ -301,46 +317,6 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# -- arrays ---------------------------------------------------------------------------------------
-
-
-def array_record(content: RecordDict, why: str) -> tuple[dict[str, np.ndarray], int]:
-    """The named numpy arrays of a reply's ``arrays`` record, and its size on the wire."""
-    if P.ARRAYS not in content:
-        raise Rejected(f"no {P.ARRAYS!r} record ({why})")
-    record = content[P.ARRAYS]
-    if not isinstance(record, ArrayRecord):
-        raise Rejected(f"{P.ARRAYS!r} is a {type(record).__name__}, not an ArrayRecord")
-    try:
-        arrays = {k: v.numpy() for k, v in record.items()}
-    except Exception as exc:  # a malformed Array fails to decode
-        raise Rejected(f"undecodable arrays: {type(exc).__name__}: {exc}") from None
-    return arrays, record.count_bytes()
-
-
-def check_arrays(arrays: Arrays, expected: Spec) -> str | None:
-    """Why a group's weights cannot be used, or None if they can.
-
-    Checks, in order: missing keys, extra keys, shapes, dtypes, non-finite values.
-    """
-    missing = sorted(set(expected) - set(arrays))
-    if missing:
-        return f"missing arrays {missing[:3]}{'...' if len(missing) > 3 else ''}"
-    extra = sorted(set(arrays) - set(expected))
-    if extra:
-        return f"unexpected arrays {extra[:3]}{'...' if len(extra) > 3 else ''}"
-    for name, (shape, dtype) in expected.items():
-        a = arrays[name]
-        if tuple(a.shape) != shape:
-            return f"{name} has shape {tuple(a.shape)}, expected {shape}"
-        if str(a.dtype) != dtype:
-            return f"{name} has dtype {a.dtype}, expected {dtype}"
-    for name, a in arrays.items():
-        if not np.isfinite(a).all():
-            return f"{name} has non-finite values"
-    return None
-
-
 def named_weights(content: RecordDict, expected: Spec) -> dict[str, np.ndarray]:
     """A model's full weights, one Array per tensor (the collective transport's final model)."""
     arrays, _ = array_record(content, "the group sent no weights")
@@ -348,41 +324,3 @@ def named_weights(content: RecordDict, expected: Spec) -> dict[str, np.ndarray]:
     if reason:
         raise Rejected(reason)
     return arrays
-
-
-def packed_weights(content: RecordDict, expected: Spec) -> Payload:
-    """A group's trained weights in the flower transport's wire format (one packed Array)."""
-    start = time.perf_counter()
-    arrays, nbytes = array_record(content, "transport flower needs the weights")
-    reason, arrays = unpack(arrays, expected)
-    reason = reason or check_arrays(arrays, expected)
-    if reason:
-        raise Rejected(reason)
-    return Payload(arrays, nbytes, time.perf_counter() - start)
-
-
-def compressed_delta(content: RecordDict, expected: Spec, kind: str, chunk: int) -> Payload:
-    """A group's compressed pseudo-gradient (``global - trained``), decoded to
-    ``{DELTA: flat float32}`` in sorted-name order."""
-    import torch
-
-    from flower_shard.runtime import compression as Z
-
-    start = time.perf_counter()
-    arrays, nbytes = array_record(content, "transport flower needs the update")
-    if any(a.dtype.kind not in "fiub" for a in arrays.values()):
-        raise Rejected(f"compressed payload has non-numeric arrays {sorted(arrays)}")
-    payload = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-    numel = sum(math.prod(shape) for shape, _ in expected.values())
-    reason = Z.check_payload(payload, kind, numel, chunk)
-    if reason:
-        raise Rejected(reason)
-    delta = Z.decompress(payload, kind, chunk).numpy()
-    if not np.isfinite(delta).all():  # finite int8 scales can still overflow float32
-        raise Rejected("the decoded update has non-finite values")
-    return Payload({DELTA: delta}, nbytes, time.perf_counter() - start)
-
-
-def delta_arrays(delta: np.ndarray, expected: Spec) -> dict[str, np.ndarray]:
-    """A decoded flat pseudo-gradient cut into the model's named arrays (sorted-name order)."""
-    return unflatten_flat(delta, expected, sorted(expected))

@@ -24,10 +24,11 @@ from flwr.serverapp import Grid, ServerApp
 from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.config import TrainConfig
+from flower_shard.config import identity as I
 from flower_shard.config.federation import FederationConfig
 from flower_shard.flower.server.strategy import ResumePoint, ShardedFedAvg
 from flower_shard.flower.server.transports import transport_class
-from flower_shard.preflight import check_federation
+from flower_shard.preflight import check_federation, check_run_dir
 from flower_shard.runtime import checkpoint as C
 from flower_shard.ux import metrics as M
 
@@ -135,6 +136,11 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePo
             f"resume {t.resume}: no good server checkpoint to continue from; start a new run"
         )
     arrays, outer, state = C.load_server(found[1])
+    # The checkpoint's run and settings, checked before any group hears of the run.
+    identity = C.read_identity(found[1])
+    I.check_identity(identity, state[RUN_NAME], None, str(found[1]))
+    for note in I.compare(identity.get(I.SETTINGS, {}), I.federation_settings(fed), t.resume):
+        log(WARNING, "resume: setting changed, allowed: %s", note)
     # safetensors stores names sorted; the outer state is flat in the model's order.
     arrays = {k: arrays[k] for k in state[ORDER]}
     C.restore_rng(state["rng"])
@@ -154,8 +160,10 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     resumed = None
     if t.resume:
         first, resumed = resume_point(fed)
+        check_run_dir(out, resumed.run_name, flag="out-dir")
         M.keep_rounds(t.resume, out, resumed.round)
     else:
+        check_run_dir(out, None, flag="out-dir")  # a new run never mixes with an old one
         first = initial_arrays(fed, out) if kind.needs_initial_arrays else {}
         (out / F.METRICS_FILE).unlink(missing_ok=True)
     # The run's identity for the groups' checkpoints: a resumed run continues the same one.
@@ -210,6 +218,7 @@ def round_recorder(strategy, fed: FederationConfig, out: Path, run_name: str, lo
                 _jsonable(state),
                 keep=t.keep_checkpoints,
                 extra=transport.save_files,
+                identity=I.make_identity(run_name, None, I.federation_settings(fed)),
             )
         logger.log(_jsonable(record))
 

@@ -84,6 +84,9 @@ class ShardedFedAvg(Strategy):
         self._sent: list[Message] = []
         """The training messages of the round in flight (configure_train's): what its replies
         answer, and what they must match."""
+        self._ranks: dict[int, int] = {}
+        """Node -> its group's size K in its valid reply of the last round (a K that changes
+        from one round to the next is refused once)."""
 
     # -- Flower's Strategy hooks -----------------------------------------------------------------
 
@@ -302,6 +305,7 @@ class ShardedFedAvg(Strategy):
             # A group that replied in time worked less than round-timeout after the push
             # began; twice that leaves room for the push and for the clocks' resolution.
             max_seconds=2 * self.fed.round_timeout,
+            ranks=self._ranks,
         )
 
     def _aggregate(self, server_round: int, replies: list[Message]) -> TrainOutcome:
@@ -319,6 +323,7 @@ class ShardedFedAvg(Strategy):
             server_round, replies, rules, fields, self.transport.check_payload
         )
         rejected += bad
+        self._ranks = {r.node: r.ranks for r in ok}
         outliers = self.transport.screen(ok)
         for i, reason in outliers.items():
             rejected.append(R.reject(server_round, MessageType.TRAIN, ok[i].node, reason))

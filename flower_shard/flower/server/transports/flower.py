@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from logging import WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.logger import log
 
 from flower_shard import protocol as P
 from flower_shard.config.choices import NO_COMPRESSION, TRIMMED_MEAN
 from flower_shard.config.federation import FederationConfig
+from flower_shard.flower.server import payloads as D
 from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.aggregation import (
-    norm_outliers,
+    clip_delta,
+    clip_update,
+    delta_norms,
     trimmed_mean,
     update_norms,
     weighted_mean,
 )
 from flower_shard.flower.server.exchange import Messenger
+from flower_shard.flower.server.robust import RobustRules, Update
 from flower_shard.flower.server.transports.base import Aggregate, Transport
 from flower_shard.flower.wire import flatten, pack, unflatten
+
+
+@dataclass(frozen=True)
+class Share:
+    """How one accepted reply enters the mean (:class:`~..robust.Decision`'s entry for it)."""
+
+    weight: float
+    """Its token count, or its cap."""
+    scale: float = 1.0
+    """Clip: the factor on its update."""
+    bound: float | None = None
+    """Clip: the bound on each coordinate of its update."""
 
 
 class FlowerTransport(Transport):
@@ -29,10 +48,12 @@ class FlowerTransport(Transport):
     (:func:`~flower_shard.flower.wire.pack`) and replies with its trained weights in the same
     format, or, with ``compression``, with its compressed pseudo-gradient ``global - trained``
     (error feedback stays in the group). Each reply is checked (names, shapes, dtypes,
-    finiteness; :mod:`~flower_shard.flower.server.replies`); a valid update whose norm is more
-    than ``outlier-factor`` x the median of the others' is left out too. The token-weighted (or
-    trimmed) mean of the rest goes through the outer optimizer (``fedavg`` or DiLoCo's
-    ``nesterov``: the group runtime's own
+    finiteness; :mod:`~flower_shard.flower.server.replies`); then the robust rules
+    (:mod:`~flower_shard.flower.server.robust`, ``outlier-factor``) cap each token weight,
+    leave out free riders, and reject (or with ``clip-outliers`` clip) updates whose weighted
+    norm or largest coordinate is beyond its bound. The weighted mean of the rest (or the
+    weighted trimmed mean: ``aggregation``) goes through the outer optimizer (``fedavg`` or
+    DiLoCo's ``nesterov``: the group runtime's own
     :class:`~flower_shard.runtime.outer_optimizer.OuterOptimizer`) to give the next global
     weights. With fewer than ``min-groups`` valid replies the global weights stay as they were.
     The ServerApp holds the model: it evaluates it and saves it at the end.
@@ -52,6 +73,10 @@ class FlowerTransport(Transport):
             t.outer_momentum,
             track_weights=self.compressed,
         )
+        self.rules = RobustRules(fed.outlier_factor, clip=fed.clip_outliers)
+        """The robust rules, with the history of the updates they accepted."""
+        self.shares: dict[int, Share] = {}
+        """Node -> how its reply enters this round's mean (set by :meth:`screen`)."""
 
     @property
     def compressed(self) -> bool:
@@ -61,22 +86,29 @@ class FlowerTransport(Transport):
         flat = pack({k: v.numpy() for k, v in arrays.items()})
         return {P.ARRAYS: ArrayRecord({P.PACKED: Array(flat)})}
 
-    def check_payload(self, content: RecordDict) -> R.Payload:
+    def check_payload(self, content: RecordDict) -> D.Payload:
         t = self.fed.train
         if self.compressed:
-            return R.compressed_delta(content, self.spec, t.compression, t.compression_chunk)
-        return R.packed_weights(content, self.spec)
+            return D.compressed_delta(content, self.spec, t.compression, t.compression_chunk)
+        return D.packed_weights(content, self.spec)
 
     def screen(self, ok: list[R.TrainReply]) -> dict[int, str]:
-        """Updates far larger than the others' (see :func:`aggregation.norm_outliers`)."""
-        if len(ok) < 2:
-            return {}
+        """The robust rules on the valid replies: the ones they leave out, with the reason;
+        the weight (capped) and clipping of the others are kept for :meth:`aggregate`."""
         if self.compressed:
-            deltas = [r.payload.arrays[R.DELTA].astype(np.float64) for r in ok]
-            norms = [float(np.linalg.norm(d)) for d in deltas]
+            norms = [delta_norms(r.payload.arrays[D.DELTA]) for r in ok]
         else:
             norms = update_norms([r.payload.arrays for r in ok], self.global_arrays)
-        return norm_outliers(norms, self.fed.outlier_factor)
+        updates = [Update(float(r.num_tokens), r.steps, n.l2, n.linf) for r, n in zip(ok, norms)]
+        decision = self.rules.judge(updates)
+        for i, note in decision.notes.items():
+            log(WARNING, "group %s (node %s): %s", ok[i].group, ok[i].node, note)
+        self.shares = {
+            r.node: Share(decision.weights[i], decision.scales[i], decision.bounds[i])
+            for i, r in enumerate(ok)
+            if i not in decision.rejected
+        }
+        return decision.rejected
 
     def aggregate(self, server_round: int, ok: list[R.TrainReply], commit: bool) -> Aggregate:
         """The next global weights; ``outer_sync_s`` is the server's work on the replies
@@ -87,21 +119,31 @@ class FlowerTransport(Transport):
         if not commit:
             return Aggregate(None, 0.0, nbytes)
         start = time.perf_counter()
-        weights = [r.num_tokens for r in ok]
-        models = [r.payload.arrays for r in ok]
+        shares = [self.shares.get(r.node) or Share(float(r.num_tokens)) for r in ok]
+        models = [self._clipped(r, s) for r, s in zip(ok, shares)]
+        weights = [s.weight for s in shares]
         if self.fed.aggregation == TRIMMED_MEAN:
-            mean = trimmed_mean(models, self.fed.trim_fraction)
+            mean = trimmed_mean(models, weights, self.fed.trim_fraction)
         else:
             mean = weighted_mean(models, weights)
         if self.compressed:
             # The wire order is sorted by name; the outer optimizer's flat order is self.order.
-            delta = flatten(R.delta_arrays(mean[R.DELTA], self.spec), self.order)
+            delta = flatten(D.delta_arrays(mean[D.DELTA], self.spec), self.order)
             new = unflatten(self.outer.apply(delta), self.global_arrays, self.order)
         else:
             new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
         self.global_arrays = new
         decode_s = sum(r.payload.decode_s for r in ok)
         return Aggregate(new, decode_s + time.perf_counter() - start, nbytes)
+
+    def _clipped(self, reply: R.TrainReply, share: Share) -> dict[str, np.ndarray]:
+        """The reply's arrays, with its update clipped where the rules said so."""
+        arrays = reply.payload.arrays
+        if share.scale == 1.0 and share.bound is None:
+            return arrays
+        if self.compressed:
+            return {D.DELTA: clip_delta(arrays[D.DELTA], share.scale, share.bound)}
+        return clip_update(arrays, self.global_arrays, share.scale, share.bound)
 
     def final_weights(self, messenger: Messenger) -> dict[str, np.ndarray] | None:
         """The server's own global weights."""

@@ -13,7 +13,7 @@ optimizer state (:mod:`flower_shard.dataplane`). Every round:
    count among them;
 4. :meth:`screen` checks each valid reply against what the aggregators received: every
    aggregator has the group's complete upload, declared with the same token count; then the
-   norm-outlier rule on the norms the aggregators measured;
+   robust rules on those weights and the norms the aggregators measured;
 5. :meth:`aggregate` has the aggregators fold the accepted groups, in group order, and take the
    outer step (a round with fewer than min-groups valid groups commits none: the model stays).
 
@@ -29,6 +29,7 @@ folded. It pulls a full snapshot when it next takes part, so groups join and rej
 from __future__ import annotations
 
 import json
+import math
 import time
 from logging import INFO, WARNING
 from pathlib import Path
@@ -43,8 +44,8 @@ from flower_shard.dataplane.init import parameter_shapes
 from flower_shard.dataplane.layout import Layout
 from flower_shard.dataplane.pool import AggregatorPool
 from flower_shard.flower.server import replies as R
-from flower_shard.flower.server.aggregation import norm_outliers
 from flower_shard.flower.server.exchange import Messenger
+from flower_shard.flower.server.robust import RobustRules, Update
 from flower_shard.flower.server.transports.base import Aggregate, Transport
 
 SERVER_RANK = -1  # the ServerApp's identity when it downloads the final model
@@ -134,21 +135,25 @@ class StreamingTransport(Transport):
 
     def screen(self, ok: list[R.TrainReply]) -> dict[int, str]:
         """Leave out a valid reply whose upload the aggregators do not hold whole, or declared
-        another token count, or whose update norm is an outlier (as the flower transport)."""
+        another token count; then the robust rules (:mod:`~flower_shard.flower.server.robust`)
+        on the declared weights and the norms the aggregators measured. The aggregators fold
+        each update whole with its declared weight, so here a weight beyond its cap is
+        rejected, not capped, and nothing is clipped; they report no update's largest
+        coordinate, so that rule does not apply."""
         self._status = self.pool.status()
-        out, norms = {}, []
+        if getattr(self, "rules", None) is None:  # one per run: it keeps the accepted history
+            self.rules = RobustRules(self.fed.outlier_factor, cap_weights=False)
+        out, index, updates = {}, [], []
         for i, reply in enumerate(ok):
             reason = self._upload_problem(reply)
             if reason:
                 out[i] = reason
-            else:
-                norms.append(
-                    (i, float(np.sqrt(sum(s["sq_norm"] for s in self._status[reply.group]))))
-                )
-        if len(norms) > 1:
-            bad = norm_outliers([n for _, n in norms], self.fed.outlier_factor)
-            out |= {norms[j][0]: reason for j, reason in bad.items()}
-        return out
+                continue
+            sq = sum(s["sq_norm"] for s in self._status[reply.group])
+            index.append(i)
+            updates.append(Update(float(reply.num_tokens), reply.steps, math.sqrt(sq)))
+        decision = self.rules.judge(updates)
+        return out | {index[j]: reason for j, reason in decision.rejected.items()}
 
     def _upload_problem(self, reply: R.TrainReply) -> str | None:
         parts = self._status.get(reply.group)
