@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import traceback
 from logging import INFO, WARNING
 from pathlib import Path
@@ -110,7 +111,7 @@ def main(grid: Grid, context: Context) -> None:
             P.S_ERROR: f"{type(exc).__name__}: {exc}",
             P.S_TRACEBACK: traceback.format_exc(),
         }
-        (out / F.SUMMARY_FILE).write_text(json.dumps(failed, indent=2) + "\n")
+        _write_summary(out, failed)
         raise
 
 
@@ -198,7 +199,7 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         P.S_TOKENIZER: _resolved(t.tokenizer),
         P.S_SEQ_LEN: t.seq_len,
     }
-    (out / F.SUMMARY_FILE).write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    _write_summary(out, _jsonable(summary))
 
 
 def round_recorder(strategy, fed: FederationConfig, out: Path, run_name: str, logger):
@@ -243,3 +244,10 @@ def _jsonable(obj):
     if isinstance(obj, list):
         return [_jsonable(v) for v in obj]
     return obj
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    """Write summary.json whole or not at all: launchers poll for it and read it at once."""
+    tmp = out / (F.SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / F.SUMMARY_FILE)
