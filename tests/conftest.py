@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from flwr.app import ConfigRecord, Message, MessageType, Metadata, RecordDict
 
 from flower_shard import protocol as P
 from flower_shard import runfiles as F
@@ -102,3 +104,20 @@ def assert_tensorboard_is_metrics(run_dir) -> None:
     assert set(events.Tags()["scalars"]) == set(expected)
     for tag, values in expected.items():
         assert [(e.step, np.float32(e.value)) for e in events.Scalars(tag)] == values, tag
+
+
+def instruction(node: int, message_type: str = MessageType.TRAIN) -> Message:
+    """What the server sent ``node`` (the metadata the SuperLink would have set: the message
+    id, which the reply's ``reply_to_message_id`` names)."""
+    metadata = Metadata(
+        run_id=7,
+        message_id=f"ins-{node}",
+        src_node_id=0,
+        dst_node_id=node,
+        reply_to_message_id="",
+        group_id="",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=message_type,
+    )
+    return Message(content=RecordDict({P.CONFIG: ConfigRecord({})}), metadata=metadata)

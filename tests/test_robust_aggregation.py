@@ -13,17 +13,15 @@ The rules' own decisions (:mod:`flower_shard.flower.server.robust`) and the mean
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
+from conftest import instruction
 from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
     Message,
-    MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
@@ -61,21 +59,6 @@ def trained(g: dict, delta: dict, times: float = 1.0) -> dict[str, np.ndarray]:
 def fed(**run_config) -> FederationConfig:
     base = {"min-groups": 1, "batch-size": BATCH, "seq-len": SEQ, P.LOCAL_STEPS: T}
     return FederationConfig.from_run_config(base | run_config)
-
-
-def instruction(node: int) -> Message:
-    metadata = Metadata(
-        run_id=7,
-        message_id=f"ins-{node}",
-        src_node_id=0,
-        dst_node_id=node,
-        reply_to_message_id="",
-        group_id="",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
-    return Message(content=RecordDict({P.CONFIG: ConfigRecord({})}), metadata=metadata)
 
 
 def reply(node: int, model: dict, tokens: int, steps: int = T, **over) -> Message:

@@ -10,10 +10,10 @@ among good ones must reject that reply only.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
+from conftest import instruction
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -21,7 +21,6 @@ from flwr.app import (
     Error,
     Message,
     MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
@@ -50,23 +49,6 @@ RULES = R.ReplyRules(
     asked=ASKED, groups=NODES, max_steps=4, tokens_per_step=64, max_lr=3e-3, max_seconds=1200.0
 )
 FIELDS = R.TRAIN_FIELDS + R.SYNC_FIELDS
-
-
-def instruction(node: int, message_type: str = MessageType.TRAIN) -> Message:
-    """What the server sent ``node`` (the metadata the SuperLink would have set: the message
-    id, which the reply's ``reply_to_message_id`` names)."""
-    metadata = Metadata(
-        run_id=7,
-        message_id=f"ins-{node}",
-        src_node_id=0,
-        dst_node_id=node,
-        reply_to_message_id="",
-        group_id="",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type=message_type,
-    )
-    return Message(content=RecordDict({P.CONFIG: ConfigRecord({})}), metadata=metadata)
 
 
 def reply(node: int, metrics: dict, record=MetricRecord, **records) -> Message:
