@@ -52,12 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from memory import PeakSampler, command, vm_hwm, wait_sampling  # noqa: E402
 
 from flower_shard import runfiles as F  # noqa: E402
+from flower_shard.launch.agent import AGENT_MODULE  # noqa: E402
 from flower_shard.launch.torchrun import TRAIN_MODULE  # noqa: E402
 from flower_shard.planning.memory import StepSetup, estimate  # noqa: E402
 from flower_shard.planning.shapes import preset_shape  # noqa: E402
 
 IDLE_RANK = "--idle-rank"
 TORCHRUN = "torch.distributed.run"
+# The launchers whose command lines name the rank's module: never a rank themselves.
+LAUNCHERS = (TORCHRUN, AGENT_MODULE)
 RSS_FILE = "idle_rss_rank{rank}.json"
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -93,10 +96,14 @@ class RankSampler(PeakSampler):
     def sample(self) -> None:
         super().sample()
         for pid, (_, cmd) in list(self.peaks.items()):
-            if TORCHRUN in cmd or cmd == "?":
+            if _launcher(cmd) or cmd == "?":
                 fresh = command(pid)
                 if fresh not in (cmd, "?"):
                     self.peaks[pid] = (vm_hwm(pid), fresh)
+
+
+def _launcher(cmd: str) -> bool:
+    return any(name in cmd for name in LAUNCHERS)
 
 
 def predicted_bytes(preset: str, ranks: int, batch_size: int, seq_len: int) -> float:
@@ -114,7 +121,7 @@ def sampled(cmd: list[str], marker: str, env: dict, timeout: float) -> list[int]
     proc.stdout.close()
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {rc}:\n{out[-3000:]}")
-    peaks = [p for p, c in sampler.peaks.values() if marker in c and TORCHRUN not in c]
+    peaks = [p for p, c in sampler.peaks.values() if marker in c and not _launcher(c)]
     if not peaks:
         raise RuntimeError(f"no process with {marker!r} in its command line was sampled")
     return peaks

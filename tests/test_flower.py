@@ -462,8 +462,10 @@ def test_warm_clientapp_outlives_a_refused_task_and_is_restarted_if_it_dies(depl
     assert "ClientApp task 1 failed" in refused.stderr
 
     # The warm process itself killed: the node starts another and serves the next run.
-    before = run(deployment, tmp_path / "a", **{P.NUM_SERVER_ROUNDS: 1})
+    # Both groups in the round (a node that an earlier test restarted may still be joining).
+    before = run(deployment, tmp_path / "a", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 2})
     pids = {g["group"]: g["clientapp_pid"] for g in before[0]["groups"]}
+    assert sorted(pids) == [0, 1], before[0]
     os.kill(pids[0], signal.SIGKILL)
     after = run(deployment, tmp_path / "b", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 2})
     assert after[0]["groups_ok"] == 2
