@@ -5,12 +5,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from importlib.metadata import version
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 import pytest
 
 from flower_shard.config import ConfigError, TrainConfig
+from flower_shard.config.federation import RENAMED, FederationConfig
+from flower_shard.flower.compat import check_flwr, supported_range
 from flower_shard.preflight import check
 from flower_shard.runtime.topology import Topology
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 @pytest.mark.parametrize(
@@ -201,3 +212,46 @@ def test_choice_flags_offer_the_fields_choices():
         parser.parse_args(["node", "--device", "tpu"])
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--transport", "carrier-pigeon"])
+
+
+def test_the_flower_apps_run_config_defaults_are_the_configs_defaults():
+    """pyproject.toml's [tool.flwr.app.config] (what `flwr run` uses) says the same defaults as
+    TrainConfig and FederationConfig (what `flower-shard train` and the docs use). TOML has no
+    null: "" stands for None. Only the run directory differs, on purpose."""
+    run_config = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    fed, train = FederationConfig(), TrainConfig()
+    differ = {}
+    for key, value in run_config.items():
+        name = RENAMED.get(key, key.replace("-", "_"))
+        owner = fed if name != "train" and hasattr(fed, name) else train
+        assert hasattr(owner, name), f"run-config key {key!r} is no setting"
+        default = getattr(owner, name)
+        if value != ("" if default is None else default):
+            differ[key] = (value, default)
+    assert differ == {"out-dir": ("runs/flower", "runs/latest")}
+
+
+@pytest.mark.parametrize("installed", ["1.41.2", "1.43.0", "2.0.0", "nightly"])
+def test_a_flwr_release_outside_the_tested_range_is_refused_in_one_line(installed):
+    with pytest.raises(ConfigError, match=r"flwr .* is installed, but flower-shard supports") as e:
+        check_flwr(installed)
+    assert supported_range() in str(e.value) and "\n" not in str(e.value)
+    assert check_flwr("1.42.0") == "1.42.0"
+
+
+def test_the_pinned_flwr_range_is_the_one_checked_and_version_names_it():
+    """pyproject.toml pins flwr to exactly the range compat.py accepts; `--version` prints the
+    versions that matter to a bug report."""
+    from flower_shard import __version__
+
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    assert f"flwr[simulation]{supported_range()}" in deps
+    proc = subprocess.run(
+        [sys.executable, "-m", "flower_shard.ux.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    want = f"flower-shard {__version__} (flwr {version('flwr')}, torch {version('torch')}"
+    assert proc.stdout.startswith(want), proc.stdout

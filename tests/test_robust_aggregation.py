@@ -29,6 +29,14 @@ from flwr.app import (
 from flower_shard import protocol as P
 from flower_shard.config.federation import FederationConfig
 from flower_shard.errors import ConfigError
+from flower_shard.flower.group.faults import (
+    FORMAT_FAULTS,
+    HOSTILE_REPLIES,
+    VALUE_FAULTS,
+    inject_fault,
+    inject_metric_fault,
+    inject_update_fault,
+)
 from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.aggregation import trimmed_mean, weighted_mean
 from flower_shard.flower.server.robust import RobustRules, Update
@@ -472,3 +480,27 @@ def test_what_the_rules_withstand_in_a_first_round_is_what_security_md_says(grou
         assert rejected(0.0, c) == colluders, c
         holds = groups >= 3 and c <= (groups - 1) // 2
         assert (rejected(1e-4, c) == colluders) == holds, c
+
+
+@pytest.mark.parametrize("kind", HOSTILE_REPLIES)
+def test_every_hostile_reply_the_fault_drills_send_is_rejected_alone(kind, tmp_path):
+    """The faults that bench/soak.py and ``--fault-file`` make a real group send
+    (:mod:`flower_shard.flower.group.faults`), applied where the group applies them (update,
+    values, then the wire format; the metrics last): three honest groups and that reply in one
+    round. Only it is rejected, and the new model is the honest groups' mean to the bit."""
+    fault = tmp_path / "fault"
+    fault.write_text(f"1:{kind}")
+    g = start()
+    transport = FlowerTransport(fed(), g)
+    models, replies = honest_round(g)
+    mine = inject_update_fault(str(fault), 1, trained(g, honest_delta(9)), g)
+    mine = inject_fault(str(fault), 1, mine, only=VALUE_FAULTS)
+    arrays = inject_fault(str(fault), 1, {P.PACKED: pack(mine)}, only=FORMAT_FAULTS)
+    honest = dict(replies[0].content[P.METRICS]) | {P.GROUP: 3}
+    metrics = inject_metric_fault(str(fault), 1, honest)
+    content = RecordDict({P.METRICS: MetricRecord(metrics)})
+    if arrays:
+        content[P.ARRAYS] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    rejected = play(transport, replies + [Message(content, reply_to=instruction(4))])
+    assert len(rejected) == 1 and rejected[0].startswith("node 4: "), rejected
+    assert_exactly(transport.global_arrays, mean_of(models, [HONEST] * 3))

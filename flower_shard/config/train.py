@@ -108,7 +108,7 @@ class TrainConfig:
     """Tokens per training sequence."""
     batch_size: int = bounded(4, 1, 1 << 20)
     """Sequences per rank per step (B_local); a group's batch is B_local x K."""
-    lr: float = bounded(1e-3, 0, 10, open_lo=True)
+    lr: float = bounded(3e-3, 0, 10, open_lo=True)
     """Peak learning rate of the inner AdamW."""
     min_lr_ratio: float = bounded(0.1, 0, 1)
     """The cosine schedule decays to lr x min_lr_ratio at the last step."""

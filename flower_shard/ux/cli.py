@@ -121,10 +121,28 @@ SUBCOMMANDS = (
 )
 
 
+def versions() -> str:
+    """``flower-shard X (flwr Y, torch Z, Python V)``: from the installed metadata, without
+    importing them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from flower_shard import __version__
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"flower-shard {__version__} (flwr {of('flwr')}, torch {of('torch')}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``flower-shard [--log-level L] COMMAND [--log-level L] ...``: the level is taken before
     or after the command."""
     parser = _Parser(prog="flower-shard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=versions())
     add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

@@ -15,7 +15,12 @@ from torch import nn
 from flower_shard import protocol as P
 from flower_shard.config import TrainConfig
 from flower_shard.config.choices import NO_COMPRESSION
-from flower_shard.flower.group.faults import FORMAT_FAULTS, VALUE_FAULTS, inject_fault
+from flower_shard.flower.group.faults import (
+    FORMAT_FAULTS,
+    VALUE_FAULTS,
+    inject_fault,
+    inject_update_fault,
+)
 from flower_shard.flower.wire import flatten, pack, unpack
 from flower_shard.runtime import compression as Z
 from flower_shard.runtime.weights import full_state, load_full_state
@@ -62,21 +67,23 @@ class FlowerExchange:
     On failure: nothing here is collective; an exception fails the round's reply only.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int):
-        self.cfg, self.rank = cfg, rank
+    def __init__(self, cfg: TrainConfig, rank: int, fault_file: str | None = None):
+        self.cfg, self.rank, self.fault_file = cfg, rank, fault_file
         self.compressed = cfg.compression != NO_COMPRESSION
         self.feedback: Z.ErrorFeedback | None = None
         self.global_arrays: dict[str, np.ndarray] | None = None
 
     def set_global(self, arrays: dict[str, np.ndarray]) -> None:
-        """The round's global weights (rank 0), the reference of the compressed delta."""
-        self.global_arrays = arrays if self.compressed else None
+        """The round's global weights (rank 0): the reference of the compressed delta, and of
+        the faults that fake an update (kept only then: a whole model more on rank 0)."""
+        keep = self.compressed or self.fault_file is not None
+        self.global_arrays = arrays if keep else None
 
-    def reply(
-        self, trained: dict[str, np.ndarray], fault_file: str | None, rnd: int
-    ) -> dict[str, np.ndarray]:
+    def reply(self, trained: dict[str, np.ndarray], rnd: int) -> dict[str, np.ndarray]:
         """The arrays of the reply (rank 0; empty elsewhere), faults injected where the fault
         file says (:mod:`~flower_shard.flower.group.faults`)."""
+        fault_file = self.fault_file
+        trained = inject_update_fault(fault_file, rnd, trained, self.global_arrays)
         arrays = inject_fault(fault_file, rnd, trained, only=VALUE_FAULTS)
         if self.compressed and arrays:
             arrays = self.compressed_update(arrays)

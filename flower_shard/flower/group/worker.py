@@ -26,7 +26,7 @@ from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig, train_config_from_message
 from flower_shard.dataplane.client import DataPlaneError
 from flower_shard.flower.group import exchange
-from flower_shard.flower.group.faults import inject_death, upload_hook
+from flower_shard.flower.group.faults import inject_death, inject_metric_fault, upload_hook
 from flower_shard.flower.group.resume import GroupCheckpoints, run_key
 from flower_shard.flower.group.streaming import StreamExchange
 from flower_shard.preflight import check, prepare_for
@@ -139,7 +139,7 @@ class GroupWorker:
             stream = StreamExchange(cfg, trainer.model, replicas, self.root_certificates)
             self.run = GroupRun(key, trainer, stream=stream)
         else:
-            flower = exchange.FlowerExchange(cfg, self.rank)
+            flower = exchange.FlowerExchange(cfg, self.rank, self.fault_file)
             self.run = GroupRun(key, GroupTrainer(cfg, place, data), exchange=flower)
         if self.checkpoints.due_at_start(config, cfg):
             extra = self.checkpoints.load(config, self.run.trainer)
@@ -198,14 +198,14 @@ class GroupWorker:
             trained = exchange.full_weights(t.model)
             if self.rank == 0:
                 self.write_dump(trained, config, "trained")
-            arrays = self.run.exchange.reply(trained, self.fault_file, rnd)
+            arrays = self.run.exchange.reply(trained, rnd)
         if t.cfg.checkpoint_due(rnd):
             saving = time.perf_counter()
             extra = self.run.exchange.extra() if self.run.exchange is not None else None
             self.checkpoints.save(config, t, rnd, extra)
             metrics[P.CHECKPOINT_S] = time.perf_counter() - saving
         metrics[P.GROUP_ROUND_S] = time.perf_counter() - start
-        return {P.H_METRICS: metrics}, arrays
+        return {P.H_METRICS: inject_metric_fault(self.fault_file, rnd, metrics)}, arrays
 
     def train_steps(self, config: dict) -> StepStats:
         """The round's inner steps: ``round-steps`` (T), or as many as fit in ``round-seconds``."""

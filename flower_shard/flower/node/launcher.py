@@ -25,6 +25,7 @@ from pathlib import Path
 
 from flower_shard import protocol as P
 from flower_shard import runfiles as F
+from flower_shard.flower.compat import check_flwr
 from flower_shard.flower.node import fast_supernode
 from flower_shard.flower.node.config import NodeConfig, check_work_dir
 from flower_shard.launch.agent import (
@@ -105,6 +106,7 @@ class Node:
     def __init__(self, cfg: NodeConfig, prefix: list[str] | None = None):
         """``prefix`` runs the group and the SuperNode through a wrapper command (the
         multi-tier benchmark puts a node in a network namespace: ``ip netns exec SITE``)."""
+        check_flwr()  # the SuperNode and ClientApp patch Flower internals of these releases
         self.cfg = cfg.validate()  # an existing work dir must be ours, writable by us alone
         self.prefix = list(prefix or [])
         self.work_dir = own_work_dir(cfg.work_dir)
