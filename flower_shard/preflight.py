@@ -47,12 +47,34 @@ def check(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.tensorboard:
         require_tensorboard()
-    if cfg.device == C.CUDA:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device here; use --device cpu or auto")
+    check_device(cfg.device, cfg.groups * cfg.nproc_per_group // cfg.nnodes)
     return cfg
+
+
+def check_device(device: str, local_ranks: int, ranks_flag: str = "--nproc-per-group") -> None:
+    """``cuda``: CUDA must be there, with a GPU for each of this host's ``local_ranks`` (rank i
+    computes on ``cuda:i``); ``auto`` picks CUDA when it is there, so the same count applies.
+    Without an NVIDIA device file ``auto`` means CPU and torch is not even imported."""
+    if device == C.CPU or (device == C.AUTO and not Path("/dev/nvidia0").exists()):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if device == C.AUTO:
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ConfigError(
+            f"--device cuda: no CUDA device visible to torch {torch.__version__}{hint}; use "
+            "--device cpu, or install a CUDA build of torch"
+        )
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ConfigError(
+            f"--device {device}: {local_ranks} ranks on this host but {gpus} GPU(s) visible; "
+            f"lower {ranks_flag} to {gpus}, give each node its own GPUs with "
+            "CUDA_VISIBLE_DEVICES, or use --device cpu"
+        )
 
 
 def check_federation(fed: FederationConfig) -> FederationConfig:

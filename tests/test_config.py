@@ -22,6 +22,8 @@ from flower_shard.preflight import check
 from flower_shard.runtime.topology import Topology
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+# A host without CUDA (CI): what a user gets who asks for it there.
+NO_CUDA = pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="this host has a GPU")
 
 
 @pytest.mark.parametrize(
@@ -131,6 +133,8 @@ def test_config_round_trips_through_json(tmp_path):
         (["plan", "--gpus", "10", "--gpus-per-node", "4"], "not a multiple of --gpus-per-node"),
         (["plan", "--inter-site-gbps", "0"], "must be > 0"),
         (["demo", "--rounds", "0"], "--rounds must be >= 1"),
+        pytest.param(["node", "--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
+        pytest.param(["train", "--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
     ],
 )
 def test_other_commands_fail_fast_with_one_line(args, message):

@@ -214,3 +214,42 @@ def test_node_stopped_with_sigterm_cleans_its_socket_and_staging(superlink, tmp_
         kill_and_assert_gone(proc, tree)
     assert not (work / F.GROUP_SOCKET).exists()
     assert not staging.exists() and (work / F.CHECKPOINTS_DIR / "somerun").is_dir()
+
+
+def test_ctrl_c_stops_a_node_cleanly_and_leaves_no_traceback(superlink, tmp_path):
+    """Ctrl-C (SIGINT to the launcher) on a running node: exit 0, every process gone, and
+    neither the group's log nor the console shows a traceback (torchrun's agent used to log
+    one for the SIGTERM it gets)."""
+    work, log = tmp_path / "work", tmp_path / "node.log"
+    proc = start_node(superlink, work, log, k=1)
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        kill_and_assert_gone(proc, tree)
+    for text in (log.read_text(), (work / F.GROUP_LOG).read_text()):
+        assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_node_waiting_for_an_unreachable_superlink_says_so_and_stops_on_ctrl_c(tmp_path):
+    """Nothing listens at --superlink: the node says so at once (with the reason), again while
+    it waits, and Ctrl-C ends the wait at once (not after --ready-timeout); the temporary work
+    directory it made (no --work-dir) is removed."""
+    log = tmp_path / "node.log"
+    nobody = f"127.0.0.1:{free_port()}"
+    proc = launch(["node", "--superlink", nobody, "--nproc-per-group", 1], log)
+    tree: dict[int, int] = {}
+    try:
+        wait_for(lambda: "does not answer" in log.read_text(), 240, "the warning", proc, log)
+        tree = descendants(proc.pid)
+        text = log.read_text()
+        assert f"the SuperLink at {nobody} does not answer (Connection refused)" in text, text
+        work = Path(text.split("work dir ", 1)[1].split(" (temporary", 1)[0])
+        assert work.is_dir() and work.name.startswith("flower-shard-node-")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    finally:
+        kill_and_assert_gone(proc, tree | descendants(proc.pid))
+    assert "stopped while starting" in log.read_text()
+    assert not work.exists()

@@ -78,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         argv = [f"{MASTER_PORT}{bound}" if a.startswith(MASTER_PORT) else a for a in argv]
     os.environ[AGENT_ENV] = str(os.getpid())
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(argv)
+    except SignalException as exc:  # stopped (Ctrl-C, a launcher's stop): it has stopped the
+        # ranks; say so in one line, not torchrun's traceback
+        print(f"flower-shard: torchrun stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
         del store  # the ranks are gone: close the store and its socket
     return 0

@@ -20,7 +20,7 @@ from flower_shard.config.federation import MAX_SECONDS
 from flower_shard.config.ranges import MAX_PORT, bounded, check_address, check_fields
 from flower_shard.config.train import MAX_LOCAL_RANKS
 from flower_shard.errors import ConfigError
-from flower_shard.preflight import check_data
+from flower_shard.preflight import check_data, check_device
 
 
 @dataclass
@@ -41,8 +41,9 @@ class NodeConfig:
     """The SuperNode's local API port (distinct per node on one host); None picks a free one."""
     work_dir: str | None = None
     """Where the group keeps its socket, data, checkpoints and logs: a new path (created
-    owner-only), or a directory of this user that no one else can write; None makes a private
-    temporary dir."""
+    owner-only), or a directory of this user that no one else can write, kept when the node
+    stops (its data cache and checkpoints serve the next start); None makes a private temporary
+    dir, removed when the node stops."""
     data: str | None = None
     """This node's directory of text files, or a .jsonl / .parquet file whose run-config
     `text-column` holds the text (default: the standard library's source)."""
@@ -86,6 +87,7 @@ class NodeConfig:
             check_data(self.data)
         if self.work_dir is not None:
             check_work_dir(self.work_dir)
+        check_device(self.device, self.nproc_per_group)
         for flag, path in (
             ("--root-certificates", self.root_certificates),
             ("--auth-supernode-private-key", self.auth_private_key),
@@ -185,7 +187,12 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="K: ranks in this node's group",
     )
     parser.add_argument("--port", type=int, default=None, help="the SuperNode's local API port")
-    parser.add_argument("--work-dir", default=None, help="socket, data and logs of the group")
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="socket, tokenised data, checkpoints and logs of the group, kept for the next start "
+        "(default: a temporary directory, removed when the node stops)",
+    )
     parser.add_argument(
         "--data",
         default=None,
@@ -229,6 +236,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_restarts,
         help="restart the group up to this many times when it dies (0: the node exits)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=d.ready_timeout,
+        help="seconds to wait for the group and for the SuperLink to accept the SuperNode "
+        f"(default: {d.ready_timeout:g}); the node says every 15 s that it is still waiting",
     )
     parser.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)

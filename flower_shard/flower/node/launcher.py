@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -38,6 +41,8 @@ from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
 from flower_shard.threads import with_threads
 
 logger = logging.getLogger(__name__)
+WAIT_REPORT_S = 15.0  # how often a node waiting for its SuperLink says so
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Flower's log colours
 
 
 def bin_path(name: str) -> str:
@@ -225,7 +230,17 @@ class Node:
         self.supernode = ManagedProcess(
             "supernode", cmd, self.work_dir / F.SUPERNODE_LOG, env, cwd=self.work_dir
         )
-        deadline = time.monotonic() + cfg.ready_timeout
+        start = time.monotonic()
+        deadline, report = start + cfg.ready_timeout, start + WAIT_REPORT_S
+        unreachable = superlink_unreachable(cfg.superlink)
+        if unreachable:
+            logger.warning(
+                "the SuperLink at %s does not answer (%s); waiting up to %.0f s "
+                "(--ready-timeout) for it",
+                cfg.superlink,
+                unreachable,
+                cfg.ready_timeout,
+            )
         while "SuperNode ID" not in self.supernode.tail(200):
             if not self.supernode.alive():
                 tail = self.supernode.tail()
@@ -238,6 +253,16 @@ class Node:
                     f"{cfg.ready_timeout} s (is the SuperLink up, and does it use TLS "
                     "(--root-certificates) or not (no flag)?):\n"
                     f"{self.supernode.tail()}"
+                )
+            if time.monotonic() > report:
+                report += WAIT_REPORT_S
+                last = ANSI.sub("", self.supernode.tail(1)).strip()
+                logger.warning(
+                    "still waiting for the SuperLink at %s (%.0f of %.0f s): %s",
+                    cfg.superlink,
+                    time.monotonic() - start,
+                    cfg.ready_timeout,
+                    last or "no word from flower-supernode yet",
                 )
             time.sleep(0.2)
 
@@ -321,21 +346,46 @@ def own_work_dir(path: str | None) -> Path:
     return work
 
 
+class _Stopped(Exception):
+    """SIGINT or SIGTERM while the node starts: stop waiting, stop what started."""
+
+
+def superlink_unreachable(address: str, timeout: float = 3.0) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (HOST:PORT), or None if something
+    does (that it is a SuperLink, and of the right TLS mode, the SuperNode finds out)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
 def run_node(cfg: NodeConfig) -> int:
-    """Start a node and keep it until a signal arrives or a part dies."""
+    """Start a node and keep it until a signal arrives or a part dies. A work directory the
+    node made itself (no ``--work-dir``) is removed when it stops: nothing else could find it."""
     node = Node(cfg)
     stopping = []
 
     def on_signal(signum, _frame):
         stopping.append(signum)
+        if not started:  # the start-up waits (group, SuperLink) end here
+            raise _Stopped(signum)
 
+    started = False
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    kept = "kept" if cfg.work_dir else "temporary: removed when the node stops"
+    logger.info("work dir %s (%s)", node.work_dir, kept)
     try:
         try:
             node.start()
         except (SuperNodeRefused, TimeoutError) as exc:
             logger.error("error: %s", exc)
             return 1
+        except _Stopped:
+            logger.warning("stopped while starting")
+            return 0
+        started = True
         print(
             f"flower-shard node: group of {cfg.nproc_per_group} at {node.address}, "
             f"supernode on port {node.port}, connected to {cfg.superlink}",
@@ -352,3 +402,5 @@ def run_node(cfg: NodeConfig) -> int:
         node.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if cfg.work_dir is None:
+            shutil.rmtree(node.work_dir, ignore_errors=True)
