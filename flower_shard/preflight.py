@@ -21,6 +21,9 @@ from flower_shard.config.presets import PRESETS
 from flower_shard.config.train import TrainConfig
 from flower_shard.errors import ConfigError
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+"""Any of these in a model directory: it ships its tokenizer."""
+
 if TYPE_CHECKING:
     from flower_shard.config.federation import FederationConfig
     from flower_shard.data.corpus import CorpusInfo
@@ -45,6 +48,13 @@ def check(cfg: TrainConfig) -> TrainConfig:
             f"--resume {cfg.resume}: no {runfiles.CHECKPOINTS_DIR}/ there; give the output "
             "directory of a run that ran with --checkpoint-every > 0"
         )
+    if cfg.tokenizer is not None and cfg.model not in PRESETS:  # presets grow to any vocabulary
+        from flower_shard.data.tokenizers import load_tokenizer
+        from flower_shard.runtime.models import check_vocab
+
+        check_vocab(cfg.model, load_tokenizer(cfg.tokenizer).vocab_size, cfg.tokenizer)
+    if cfg.data is not None:
+        check_records(cfg.data, cfg.text_column)
     if cfg.tensorboard:
         require_tensorboard()
     check_device(cfg.device, cfg.groups * cfg.nproc_per_group // cfg.nnodes)
@@ -80,6 +90,7 @@ def check_device(device: str, local_ranks: int, ranks_flag: str = "--nproc-per-g
 def check_federation(fed: FederationConfig) -> FederationConfig:
     """:func:`check` for the ServerApp's side of a Flower run (a stand-in topology: the groups
     check their own when a run reaches them); returns ``fed``."""
+    fed = dataclasses.replace(fed, train=with_model_tokenizer(fed.train))
     check(dataclasses.replace(fed.train, groups=1, nproc_per_group=1, nnodes=1))
     check_out(fed.train, flag="out-dir")
     if fed.transport == P.STREAMING:
@@ -162,6 +173,30 @@ def check_data(data: str, flag: str = "--data") -> None:
             f.read(1)
     except OSError as exc:
         raise ConfigError(f"{flag} {data}: cannot be read ({exc.strerror})") from None
+
+
+def check_records(data: str, text_column: str) -> None:
+    """The first record of each kind of record file in ``data`` (``.jsonl``, ``.parquet``, a
+    dataset directory) has ``text_column``: a wrong ``--text-column`` fails here, before
+    launch, not in the middle of tokenising."""
+    from flower_shard.data.sources import kind_of, list_documents, read_unit
+    from flower_shard.data.units import Unit
+
+    root, files = list_documents(data)
+    seen = {"text"}
+    for rel in files:
+        kind = kind_of(root / rel)
+        if kind not in seen:
+            seen.add(kind)
+            next(read_unit(root, Unit(rel, kind), text_column, None), None)
+
+
+def with_model_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """``--model DIR`` that holds a tokenizer, and no ``--tokenizer``: the model's own (its
+    embedding rows are that tokenizer's ids; bytes would train it on other ids)."""
+    model = Path(cfg.model)
+    ships = model.is_dir() and any((model / name).is_file() for name in TOKENIZER_FILES)
+    return dataclasses.replace(cfg, tokenizer=cfg.model) if cfg.tokenizer is None and ships else cfg
 
 
 def check_out(cfg: TrainConfig, flag: str = "--out") -> None:

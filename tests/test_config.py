@@ -259,3 +259,70 @@ def test_the_pinned_flwr_range_is_the_one_checked_and_version_names_it():
     assert proc.returncode == 0, proc.stderr
     want = f"flower-shard {__version__} (flwr {version('flwr')}, torch {version('torch')}"
     assert proc.stdout.startswith(want), proc.stdout
+
+
+def train_dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flower_shard.ux.cli", "train", "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def changed_line(stderr: str) -> set[str]:
+    line = next(x for x in stderr.splitlines() if "differ from the defaults" in x)
+    return set(line.split("defaults: ", 1)[1].split())
+
+
+def test_train_takes_a_toml_config_and_flags_win_over_it(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'lr = 1e-3\nlocal-steps = 8\nnum-server-rounds = 2\nbf16 = true\ntokenizer = ""\n'
+        "outer_lr = 1\n"
+    )
+    proc = train_dry_run("--config", str(config), "--rounds", "3", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    assert changed_line(proc.stderr) == {
+        "lr=0.001",
+        "local-steps=8",
+        "rounds=3",  # the flag, not the file's num-server-rounds
+        "bf16=True",
+        "outer-lr=1.0",
+        f"out={tmp_path / 'o'}",
+    }
+
+
+def test_a_run_directorys_saved_config_is_a_config_file(tmp_path):
+    saved = TrainConfig(groups=4, nproc_per_group=1, local_steps=2, seed=7, out=str(tmp_path))
+    saved.to_json(tmp_path / "config.json")
+    proc = train_dry_run("--config", str(tmp_path / "config.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert changed_line(proc.stderr) == {
+        "groups=4",
+        "nproc-per-group=1",
+        "local-steps=2",
+        "seed=7",
+        f"out={tmp_path}",
+    }
+    assert "--nproc-per-node=4" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("local-step = 3\n", "'local-step' is no setting of train; did you mean local-steps"),
+        ('lr = "fast"\n', "lr must be a number, got 'fast'"),
+        ("lr = nan\n", "--lr must be"),
+        ("lr = \n", "not valid TOML"),
+        ("lr = [1, 2]\n", "lr must be a single value"),
+        ('seed = 1.5\n', "--seed must be"),
+    ],
+)
+def test_a_bad_config_file_fails_in_one_line(tmp_path, text, message):
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    proc = train_dry_run("--config", str(config))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -199,12 +199,35 @@ def test_bad_hf_inputs_fail_with_one_line(hf, tmp_path, case, message):
         "parquet": ("--data", tmp_path / "x.parquet"),
     }[case]
     out = tmp_path / "run"
-    proc = cli("train", "--out", out, *args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), proc.stderr
-    assert message in lines[0]
-    assert not (out / "config.json").exists()  # nothing was launched
+    for dry_run in ((), ("--dry-run",)):  # --dry-run refuses what the launch would refuse
+        proc = cli("train", "--out", out, *args, *dry_run)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("flower-shard: error:"), proc.stderr
+        assert message in lines[0]
+        assert not (out / "config.json").exists()  # nothing was launched
+
+
+DRY = ("--seq-len", "32", "--dry-run")
+
+
+def test_a_model_directory_with_a_tokenizer_brings_it_along(hf, tmp_path):
+    """``--model DIR`` holding a tokenizer and no ``--tokenizer``: the run uses DIR's (its
+    embedding's ids), and says so among the settings that differ from the defaults."""
+    model = tmp_path / "model"
+    shutil.copytree(hf.small_vocab, model)
+    for f in hf.tok.iterdir():
+        shutil.copy(f, model / f.name)
+    proc = cli("train", "--model", model, "--data", hf.data, "--out", tmp_path / "o", *DRY)
+    # DIR's embedding is smaller than its tokenizer here: refused, naming the tokenizer found.
+    assert proc.returncode == 2 and f"--tokenizer {model} has" in proc.stderr, proc.stderr
+    shutil.rmtree(model)
+    shutil.copytree(hf.llama, model)
+    for f in hf.tok.iterdir():
+        shutil.copy(f, model / f.name)
+    proc = cli("train", "--model", model, "--data", hf.data, "--out", tmp_path / "o", *DRY)
+    assert proc.returncode == 0, proc.stderr
+    assert f"tokenizer={model}" in proc.stderr.split("differ from the defaults: ")[1]
 
 
 def test_export_of_an_unfinished_run_fails_with_one_line(tmp_path):

@@ -216,6 +216,16 @@ class TrainConfig:
                 "drop it or use --partition dirichlet"
             )
 
+    def non_defaults(self) -> str:
+        """``flag=value`` for each setting that differs from its default ("none" if none)."""
+        default = TrainConfig()
+        changed = [
+            f"{f.name.replace('_', '-')}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return " ".join(changed) or "none"
+
     def to_json(self, path: str | os.PathLike) -> None:
         """Write the configuration as JSON (what the ranks read)."""
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")

@@ -29,6 +29,17 @@ MARKER = "FLOWER_SHARD_TREE"
 _ISSUED: set[int] = set()
 
 
+def unreachable_reason(address: str, timeout: float = 3.0) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (HOST:PORT), or None if something
+    does (whether it is the right service, its client finds out)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
 def free_port() -> int:
     """A TCP port on loopback that is free now and was not handed out before by this process.
 

@@ -194,6 +194,7 @@ def launch_train(cfg: TrainConfig, *, node_rank: int = 0, rdzv_endpoint: str | N
     # before anything is written.
     cmd = torchrun_command(cfg, config_path, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     prepare_run(cfg)
+    log.info("settings that differ from the defaults: %s", cfg.non_defaults())
     try:
         return run_supervised(cmd, worker_env(cfg))
     finally:

@@ -25,6 +25,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ from flower_shard.planning.planner import add_plan_flags
 from flower_shard.ux.demo import add_demo_flags
 from flower_shard.ux.export import add_export_flags
 from flower_shard.ux.report import add_report_flags
+
+logger = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,9 +141,10 @@ def versions() -> str:
     return f"flower-shard {__version__} (flwr {of('flwr')}, torch {of('torch')}, Python {python})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_settings: dict | None = None) -> argparse.ArgumentParser:
     """``flower-shard [--log-level L] COMMAND [--log-level L] ...``: the level is taken before
-    or after the command."""
+    or after the command. ``train_settings``: ``train``'s defaults as a ``--config`` file
+    sets them (flags still win)."""
     parser = _Parser(prog="flower-shard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=versions())
     add_log_level(parser)
@@ -148,7 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "train FL+FSDP / FL+HSDP (or the G=1 baseline) in one torch job on this host"
     p = sub.add_parser("train", help=text, description=text)
-    add_config_flags(p, TrainConfig())
+    add_config_flags(p, TrainConfig(**(train_settings or {})))
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML or JSON file of settings keyed like these flags (local-steps = 8), e.g. a "
+        "run directory's config.json; flags given here win over it",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="this host's index (multi-node)")
     p.add_argument(
         "--rdzv-endpoint",
@@ -170,8 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The one place where command-line values become a TrainConfig."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    """The one place where command-line values become a TrainConfig (``--model DIR`` with a
+    tokenizer and no ``--tokenizer``: that tokenizer)."""
+    from flower_shard.preflight import with_model_tokenizer
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    return with_model_tokenizer(cfg)
 
 
 def train_from_args(args: argparse.Namespace) -> int:
@@ -186,6 +201,7 @@ def train_from_args(args: argparse.Namespace) -> int:
         return launch_train(cfg, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     # The command may be meant for another host: CUDA need not be present here.
     check_out(check(dataclasses.replace(cfg, device=C.AUTO)))
+    logger.info("settings that differ from the defaults: %s", cfg.non_defaults())
     cmd = torchrun_command(
         cfg,
         Path(cfg.out, runfiles.CONFIG_FILE),
@@ -226,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, prefix=f"flower-shard {args.command}")
     try:
+        if args.command == "train" and args.config:
+            from flower_shard.ux.config_file import read_settings
+
+            args = build_parser(read_settings(args.config)).parse_args(argv)
         return run_command(args)
     except ConfigError as exc:
         print(f"flower-shard: error: {exc}", file=sys.stderr)

@@ -95,7 +95,9 @@ def demo_from_args(args: argparse.Namespace) -> int:
         finally:
             display.close()
         logger.info("stopping the deployment")
-    files = [F.METRICS_FILE, F.SUMMARY_FILE] + [F.FINAL_MODEL] * (args.transport == P.FLOWER)
+    # Every transport's ServerApp writes the final model (the collective one fetches it from a
+    # group at the end): list what is there.
+    files = [f for f in (F.METRICS_FILE, F.SUMMARY_FILE, F.FINAL_MODEL) if (out / f).is_file()]
     status = summary[P.S_STATUS]
     print(
         f"flower-shard demo: {status} in {time.monotonic() - start:.0f} s; "

@@ -41,7 +41,7 @@ RUN_CONFIG_NOTES = {
     "partition-label": '`""` = none. Flower: each group partitions its node\'s own data, taking '
     "the part of its `group-index` among `num-groups`.",
     "out-dir": "Flower: where the ServerApp writes metrics.jsonl, summary.json, "
-    "final_model.safetensors (flower transport) and its evaluation data, on the SuperLink's "
+    "final_model.safetensors (every transport) and its evaluation data, on the SuperLink's "
     "machine, relative to where `flower-superlink` was started: give an absolute path.",
     "eval-every": "Flower: the ServerApp evaluates the global model (flower transport) or asks "
     "the groups to (collective transport).",
@@ -113,6 +113,8 @@ def flag_table(cls, actions: dict[str, argparse.Action]) -> list[str]:
             flag = " / ".join(f"`{s}`" for s in action.option_strings)
             if action.help == argparse.SUPPRESS:
                 flag += " (hidden: tests and debugging)"
+            if isinstance(action, argparse._StoreFalseAction):  # the flag turns it off
+                flag += " (turns it off)"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         meaning = _with_choices(docs.get(f.name, ""), f)
         rows.append(f"| {flag} | {_default(default)} | {_cell(meaning)} |")

@@ -94,8 +94,8 @@ def run_model(
     weights = run / F.FINAL_MODEL
     if not weights.is_file():
         raise ConfigError(
-            f"RUN_DIR {run_dir}: no {F.FINAL_MODEL}; a train run writes it when it finishes, a "
-            "Flower run only with transport='flower': rerun to completion"
+            f"RUN_DIR {run_dir}: no {F.FINAL_MODEL}; a train run and a Flower run (any "
+            "transport) write it when they finish: rerun to completion"
         )
     from flower_shard.data.corpus import CorpusInfo  # numpy: not at CLI start
 

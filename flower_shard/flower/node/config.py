@@ -8,9 +8,11 @@ for every command, and the generated reference reads the field docstrings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,25 +202,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "config's text-column names the records' text field)",
     )
     parser.add_argument("--device", default=d.device, choices=_choices("device"))
-    parser.add_argument(
-        "--root-certificates",
-        default=None,
-        help="CA file (PEM) that signed a TLS SuperLink's certificate; without it: no TLS",
-    )
-    parser.add_argument(
-        "--auth-supernode-private-key",
-        dest="auth_private_key",
-        default=None,
-        help="this node's EC private key (OpenSSH format) for SuperNode authentication; its "
-        "public key must be registered (flwr supernode register KEY.pub CONNECTION); needs "
-        "--root-certificates",
-    )
-    parser.add_argument(
-        "--auth-supernode-public-key",
-        dest="auth_public_key",
-        default=None,
-        help="optional: the registered public key, checked to match the private key",
-    )
+    _add_security_flags(parser)
     parser.add_argument(
         "--poll-interval",
         type=float,
@@ -248,6 +232,29 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-file", default=None, help=argparse.SUPPRESS)
 
 
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS to the SuperLink and SuperNode authentication."""
+    parser.add_argument(
+        "--root-certificates",
+        default=None,
+        help="CA file (PEM) that signed a TLS SuperLink's certificate; without it: no TLS",
+    )
+    parser.add_argument(
+        "--auth-supernode-private-key",
+        dest="auth_private_key",
+        default=None,
+        help="this node's EC private key (OpenSSH format) for SuperNode authentication; its "
+        "public key must be registered (flwr supernode register KEY.pub CONNECTION); needs "
+        "--root-certificates",
+    )
+    parser.add_argument(
+        "--auth-supernode-public-key",
+        dest="auth_public_key",
+        default=None,
+        help="optional: the registered public key, checked to match the private key",
+    )
+
+
 def _choices(name: str) -> tuple[str, ...] | None:
     return choices_of(next(f for f in dataclasses.fields(NodeConfig) if f.name == name))
 
@@ -258,3 +265,19 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(NodeConfig) if f.name in args}
     )
+
+
+def own_work_dir(path: str | None) -> Path:
+    """The node's work directory: a new private temporary one (None), a new one created
+    owner-only (mode 0700), or an existing one, which :meth:`NodeConfig.validate` checked to be
+    ours and writable by us alone. The mode of a directory the node did not create is never
+    changed."""
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix="flower-shard-node-"))
+    work = Path(path)
+    if not work.exists():
+        work.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
+            work.mkdir(mode=0o700)
+    check_work_dir(str(work))
+    return work

@@ -19,10 +19,8 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,14 +28,19 @@ from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.flower.compat import check_flwr
 from flower_shard.flower.node import fast_supernode
-from flower_shard.flower.node.config import NodeConfig, check_work_dir
+from flower_shard.flower.node.config import NodeConfig, own_work_dir
 from flower_shard.launch.agent import (
     AGENT_MODULE,
     LOOPBACK,
     LOOPBACK_INTERFACE,
     SOCKET_IFNAME_ENVS,
 )
-from flower_shard.launch.processes import ManagedProcess, free_port, marked_pids
+from flower_shard.launch.processes import (
+    ManagedProcess,
+    free_port,
+    marked_pids,
+    unreachable_reason,
+)
 from flower_shard.threads import with_threads
 
 logger = logging.getLogger(__name__)
@@ -230,9 +233,14 @@ class Node:
         self.supernode = ManagedProcess(
             "supernode", cmd, self.work_dir / F.SUPERNODE_LOG, env, cwd=self.work_dir
         )
+        self._wait_registered()
+
+    def _wait_registered(self) -> None:
+        """Until the SuperNode says it registered; saying so while the SuperLink is away."""
+        cfg = self.cfg
         start = time.monotonic()
         deadline, report = start + cfg.ready_timeout, start + WAIT_REPORT_S
-        unreachable = superlink_unreachable(cfg.superlink)
+        unreachable = unreachable_reason(cfg.superlink)
         if unreachable:
             logger.warning(
                 "the SuperLink at %s does not answer (%s); waiting up to %.0f s "
@@ -330,35 +338,8 @@ class Node:
             logger.warning("removed %s, left by an interrupted checkpoint save", removed)
 
 
-def own_work_dir(path: str | None) -> Path:
-    """The node's work directory: a new private temporary one (None), a new one created
-    owner-only (mode 0700), or an existing one, which :meth:`NodeConfig.validate` checked to be
-    ours and writable by us alone. The mode of a directory the node did not create is never
-    changed."""
-    if path is None:
-        return Path(tempfile.mkdtemp(prefix="flower-shard-node-"))
-    work = Path(path)
-    if not work.exists():
-        work.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
-            work.mkdir(mode=0o700)
-    check_work_dir(str(work))
-    return work
-
-
 class _Stopped(Exception):
     """SIGINT or SIGTERM while the node starts: stop waiting, stop what started."""
-
-
-def superlink_unreachable(address: str, timeout: float = 3.0) -> str | None:
-    """Why nothing accepts a TCP connection at ``address`` (HOST:PORT), or None if something
-    does (that it is a SuperLink, and of the right TLS mode, the SuperNode finds out)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc) or type(exc).__name__
 
 
 def run_node(cfg: NodeConfig) -> int:
