@@ -156,11 +156,13 @@ def test_gpt2_checkpoint_is_loaded_sharded_per_block_and_exported(hf, tmp_path):
     assert decoder_layers(gpt2) == list(gpt2.transformer.h)
 
     out, exported = tmp_path / "run", tmp_path / "export"
-    train_cli(
+    proc = train_cli(
         out,
         *("--model", hf.gpt2, "--data", hf.data, "--groups", "1", "--nproc-per-group", "2"),
         *RUN,
     )
+    # Both ranks load the checkpoint; transformers' progress bar is shown once, by rank 0.
+    assert (proc.stdout + proc.stderr).count("Loading weights: 100%") == 1, proc.stderr[-3000:]
     final = load_file(out / "final_model.safetensors")
     export_pretrained(out / "final_model.safetensors", str(hf.gpt2), exported)
     model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)

@@ -35,7 +35,19 @@ def init_distributed(preference: str = AUTO) -> torch.device:
         dist.init_process_group(
             backend=backend, device_id=device if device.type == "cuda" else None
         )
+    if dist.get_rank() != 0:
+        quiet_libraries()
     return device
+
+
+def quiet_libraries() -> None:
+    """No progress bars or info from transformers and huggingface_hub on this rank: rank 0
+    shows them once, not once per rank."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def shutdown(clean: bool = False) -> None:
