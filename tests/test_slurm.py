@@ -89,6 +89,7 @@ def test_collective_script_gives_every_host_its_own_rank(tmp_path):
     assert sorted(ranks) == list(range(128))  # each task got its host's rank, not host 0's
     assert {c[c.index("--rdzv-endpoint") + 1] for c in calls} == {"node0:29400"}
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "doc.txt").write_text("text to train on\n")  # a dry run reads it
     (tmp_path / "tok").mkdir()
     for call in (calls[0], calls[-1]):
         argv = [
@@ -152,7 +153,8 @@ def test_superlink_script_serves_tls_with_auth_and_starts_a_valid_run(tmp_path):
     pairs = re.findall(r"(\S+?)=('[^']*'|\S+)", flwr[flwr.index("--run-config") + 1])
     run_config = tomllib.loads("\n".join(f"{k} = {v}" for k, v in pairs))
     fed = FederationConfig.from_run_config(run_config)  # every key known, every value valid
-    assert fed.transport == "flower" and fed.min_groups == 2
+    assert fed.transport == "streaming" and fed.min_groups == 2  # 8B: not in Flower Messages
+    assert fed.dataplane_certfile.endswith("server.pem") and not fed.dataplane_insecure
     assert fed.train.model == "llama3.1-8b" and fed.train.checkpoint_every == 10
 
 

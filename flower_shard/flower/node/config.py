@@ -22,7 +22,7 @@ from flower_shard.config.federation import MAX_SECONDS
 from flower_shard.config.ranges import MAX_PORT, bounded, check_address, check_fields
 from flower_shard.config.train import MAX_LOCAL_RANKS
 from flower_shard.errors import ConfigError
-from flower_shard.preflight import check_data, check_device
+from flower_shard.preflight import check_data
 
 
 @dataclass
@@ -89,7 +89,6 @@ class NodeConfig:
             check_data(self.data)
         if self.work_dir is not None:
             check_work_dir(self.work_dir)
-        check_device(self.device, self.nproc_per_group)
         for flag, path in (
             ("--root-certificates", self.root_certificates),
             ("--auth-supernode-private-key", self.auth_private_key),

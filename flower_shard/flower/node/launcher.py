@@ -41,6 +41,7 @@ from flower_shard.launch.processes import (
     marked_pids,
     unreachable_reason,
 )
+from flower_shard.preflight import check_device
 from flower_shard.threads import with_threads
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class Node:
         multi-tier benchmark puts a node in a network namespace: ``ip netns exec SITE``)."""
         check_flwr()  # the SuperNode and ClientApp patch Flower internals of these releases
         self.cfg = cfg.validate()  # an existing work dir must be ours, writable by us alone
+        check_device(cfg.device, cfg.nproc_per_group)  # this host's: CUDA and enough GPUs
         self.prefix = list(prefix or [])
         self.work_dir = own_work_dir(cfg.work_dir)
         self.address = f"unix:{self.work_dir / F.GROUP_SOCKET}"
