@@ -410,8 +410,9 @@ def test_node_stopped_with_sigterm_leaves_no_process(deployment, tmp_path):
         env=deployment.env(),
     )
     try:
-        line = proc.stdout.readline()
-        assert "flower-shard node: group of 2" in line, line
+        lines = [proc.stdout.readline() for _ in range(2)]  # where its work dir is, then up
+        assert "flower-shard node: work dir" in lines[0], lines
+        assert "flower-shard node: group of 2" in lines[1], lines
         # A round through this node first: what serves its messages must go too.
         rounds = run(deployment, tmp_path / "out", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 3})
         assert rounds[0]["groups_ok"] == 3

@@ -9,14 +9,20 @@ Two formats, one module, so that the group (:mod:`flower_shard.flower.group`) an
   :func:`unflatten` are the same cut in a caller's own order, as torch tensors (the outer
   optimizer's flat state).
 - **control-service messages**: a 4-byte header length, a JSON header, then safetensors bytes
-  (:func:`encode` / :func:`decode`), on the node's local gRPC channel.
+  (:func:`encode` / :func:`decode`), on the node's local gRPC channel, for calls without
+  weights; calls with weights are a stream of frames (:func:`frames` / :func:`assemble`): a
+  JSON header with the arrays' names, dtypes and shapes, then each array's bytes in frames of
+  at most :data:`FRAME_BYTES`. No gRPC message is larger than that (gRPC frames a message with
+  a 4-byte length: nothing of 4 GiB or more passes in one), and the receiver writes each frame
+  straight into the array it belongs to (one copy of the weights, not the message plus the
+  arrays).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -26,7 +32,6 @@ Arrays = Mapping[str, np.ndarray]
 Spec = Mapping[str, tuple[tuple[int, ...], str]]
 """Name -> (shape, dtype) of a model: what every reply must match."""
 
-GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
 def encode(header: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
@@ -46,6 +51,71 @@ def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     header = json.loads(data[4 : 4 + n])
     body = data[4 + n :]
     return header, (load(body) if body else {})
+
+
+FRAME_BYTES = 4 << 20
+"""The largest frame of a stream of weights (4 MiB: gRPC's default message limit)."""
+MAX_MESSAGE = FRAME_BYTES + (1 << 20)
+"""The control service's gRPC message limit: a frame and its framing (the JSON first frame of
+a stream, and Health, are far smaller)."""
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+FRAME_DTYPES = frozenset({"float32", "float16", "float64", "int8", "uint8", "int32", "int64"})
+"""What a stream of weights may carry (the model's float32, the compressed payloads)."""
+
+
+def frames(
+    header: dict, arrays: Arrays | None = None, frame_bytes: int = FRAME_BYTES
+) -> Iterator[bytes]:
+    """``header`` and ``arrays`` as a stream: one JSON frame naming each array's dtype and
+    shape, then each array's bytes (C order) cut into frames of at most ``frame_bytes``; a
+    frame never holds parts of two arrays. Made lazily: one frame in memory at a time."""
+    arrays = arrays or {}
+    contiguous = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    layout = [[k, str(v.dtype), list(v.shape)] for k, v in contiguous.items()]
+    yield json.dumps({"header": header, "arrays": layout}).encode()
+    for v in contiguous.values():
+        data = memoryview(v.reshape(-1)).cast("B")
+        for at in range(0, len(data), frame_bytes):
+            yield bytes(data[at : at + frame_bytes])
+
+
+def assemble(stream: Iterable[bytes]) -> tuple[dict, dict[str, np.ndarray]]:
+    """The header and arrays of a stream of :func:`frames`, each frame copied into its array
+    as it arrives.
+
+    Raises
+    ------
+    ValueError
+        A stream that is not one: a first frame that is not the JSON layout, a dtype or shape
+        that is not one, a frame that runs past its array, too few or too many frames.
+    """
+    stream = iter(stream)
+    try:
+        first = json.loads(next(stream))
+        header, layout = first["header"], first["arrays"]
+        arrays = {}
+        for name, dtype, shape in layout:
+            if dtype not in FRAME_DTYPES or not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise ValueError(f"array {name!r}: dtype {dtype} shape {shape}")
+            arrays[str(name)] = np.empty(shape, dtype=dtype)
+    except (StopIteration, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a stream of weights: bad first frame ({exc})") from None
+    for name, array in arrays.items():
+        target, filled = memoryview(array.reshape(-1)).cast("B"), 0
+        while filled < len(target):
+            frame = next(stream, None)
+            if frame is None:
+                raise ValueError(f"the stream ended inside array {name!r}")
+            if len(frame) > len(target) - filled:
+                raise ValueError(f"a frame runs past the end of array {name!r}")
+            target[filled : filled + len(frame)] = frame
+            filled += len(frame)
+    if next(stream, None) is not None:
+        raise ValueError("frames after the last array")
+    return header, arrays
 
 
 def describe(arrays: Arrays) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -41,15 +41,20 @@ class GroupClient:
                 f"{self.connect_timeout:.0f} s): start it with `flower-shard node`, or fix the "
                 f"node config key {P.GROUP_ADDRESS!r}"
             ) from None
-        stub = self._channel.unary_unary(f"/{P.SERVICE}/{method}")
         try:
-            reply = stub(wire.encode(header or {}, arrays), timeout=timeout)
+            if method == P.HEALTH:
+                stub = self._channel.unary_unary(f"/{P.SERVICE}/{method}")
+                head, out = wire.decode(stub(wire.encode(header or {}), timeout=timeout))
+            else:  # weights both ways as streams of frames (wire.frames)
+                stub = self._channel.stream_stream(f"/{P.SERVICE}/{method}")
+                head, out = wire.assemble(stub(wire.frames(header or {}, arrays), timeout=timeout))
         except grpc.RpcError as exc:
             raise GroupUnavailable(
                 f"the group at {self.address} failed during {method}: {exc.code().name} "
                 f"{exc.details()}"
             ) from None
-        head, out = wire.decode(reply)
+        except ValueError as exc:  # a broken stream of frames
+            raise GroupError(f"the group at {self.address} sent a bad reply: {exc}") from None
         if P.H_ERROR in head:
             raise GroupError(head[P.H_ERROR])
         return head, out

@@ -30,6 +30,7 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -60,7 +61,16 @@ class ControlServer:
 
         self.commands: queue.Queue = queue.Queue()
         self.status = {P.H_READY: False, P.H_RANKS: dist.get_world_size(), P.H_STEP: 0}
-        handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(m)) for m in P.METHODS}
+        # Health is one small message; the calls that carry weights are streams of frames
+        # (wire.frames): no gRPC message of the model's size, one copy of it here.
+        handlers = {
+            m: grpc.stream_stream_rpc_method_handler(self._handler(m))
+            for m in P.METHODS
+            if m != P.HEALTH
+        }
+        handlers[P.HEALTH] = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: wire.encode(self.status)
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4), options=wire.GRPC_OPTIONS
         )
@@ -80,14 +90,17 @@ class ControlServer:
             os.chmod(address.removeprefix("unix:"), 0o600)
 
     def _handler(self, method: str):
-        def handle(request: bytes, context) -> bytes:
-            if method == P.HEALTH:
-                return wire.encode(self.status)
-            header, arrays = wire.decode(request)
+        def handle(request: Iterator[bytes], context) -> Iterator[bytes]:
+            try:
+                header, arrays = wire.assemble(request)
+            except ValueError as exc:
+                yield from wire.frames({P.H_ERROR: f"bad request: {exc}"})
+                return
             done: futures.Future = futures.Future()
             self.commands.put((method, header, arrays, done))
+            del arrays  # the command holds them until it has run
             reply_header, reply_arrays = done.result()
-            return wire.encode(reply_header, reply_arrays)
+            yield from wire.frames(reply_header, reply_arrays)
 
         return handle
 
