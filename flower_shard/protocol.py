@@ -40,6 +40,12 @@ ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adapti
 ROUND_SECONDS = "round-seconds"  # time-budgeted rounds: train this long (0: round-steps)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 TICKET = "ticket"  # streaming: the round's ticket (JSON: aggregators' addresses, the token)
+# flower transport with downlink-compression: the message's arrays are a compressed delta of
+# this kind (absent: a float32 snapshot, PACKED) from the model version DOWNLINK_BASE that the
+# group holds, giving version DOWNLINK_VERSION
+DOWNLINK = "downlink"
+DOWNLINK_BASE = "downlink-base"
+DOWNLINK_VERSION = "downlink-version"
 # The keys that change from round to round: everything else identifies the run.
 PER_ROUND_KEYS = (
     SERVER_ROUND,
@@ -48,6 +54,10 @@ PER_ROUND_KEYS = (
     SYNC_SIZE,
     ROUND_STEPS,
     ROUND_SECONDS,
+    TICKET,
+    DOWNLINK,
+    DOWNLINK_BASE,
+    DOWNLINK_VERSION,
 )
 # Begins the error a group returns when it gave up a cross-group sync (it is alive).
 SYNC_ABANDONED = "cross-group sync abandoned"

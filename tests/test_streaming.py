@@ -104,6 +104,11 @@ def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployme
     # Nothing but the ticket crossed Flower; the ranks streamed the weights.
     assert all(r["exchange_bytes"] == 0 and r["outer_sync_bytes"] > 0 for r in rounds)
     assert all(np.isfinite(r["eval_ppl"]) for r in rounds)
+    # The groups keep their trainer from round to round (the ticket changes, the run does not):
+    # the inner LR follows one schedule over the run. A group rebuilt every round reported the
+    # same LR, its first round's, every round (and lost its AdamW state and data position).
+    lrs = [r["lr"] for r in rounds]
+    assert lrs[0] > lrs[1] > lrs[2] > 0, lrs
 
 
 def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(

@@ -100,9 +100,11 @@ class FederationConfig:
     dataplane_insecure: bool = False
     """Streaming transport without TLS: on purpose only (loopback tests and demos)."""
     downlink_compression: str = choice(C.NO_COMPRESSION, C.COMPRESSIONS)
-    """Streaming transport: how the global model reaches the groups each round: `none` (float32
-    snapshots of their shards) or, `bf16` / `int8`, the delta since their last global model,
-    compressed, with server-side error feedback (a new or rejoining group gets a snapshot)."""
+    """Transports streaming and flower: how the global model reaches the groups each round:
+    `none` (float32 snapshots) or, `bf16` / `int8`, the delta since the model they hold,
+    compressed, with server-side error feedback; a new, restarted or rejoining group gets a
+    float32 snapshot of that model (flower: a group that lost it answers one round with an
+    error and gets the snapshot the next)."""
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> FederationConfig:
@@ -147,10 +149,10 @@ class FederationConfig:
         self._validate_robust()
         if self.transport == P.STREAMING:
             self._validate_dataplane()
-        elif self.downlink_compression != C.NO_COMPRESSION:
+        elif self.downlink_compression != C.NO_COMPRESSION and self.transport != P.FLOWER:
             raise ConfigError(
-                f"downlink-compression applies to transport {P.STREAMING!r} only; drop it or set "
-                f"transport = {P.STREAMING!r}"
+                f"downlink-compression applies to transports {P.FLOWER!r} and {P.STREAMING!r} "
+                f"(the {self.transport!r} transport sends no global model); drop it"
             )
         # The group-level field checks (T, rounds, ...) with a stand-in topology; the ones that
         # need I/O are flower_shard.preflight.check_federation's.

@@ -296,26 +296,21 @@ def join(shards: list[Shard], shard_dir: Path, out: Path, dtype: str, label_fiel
         ("eval", F.EVAL_TOKENS, sum(s.eval_tokens for s in shards)),
     ):
         tmp = out / f".{name}.tmp"
-        dest = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(size,))
-        offset = 0
-        for s in shards:
-            offset = _copy(shard_dir / f"{s.index:06d}.{suffix}", dest, offset)
-        dest.flush()
-        del dest
+        # Written, not memory-mapped: a memory map's written pages count in this process's
+        # resident set until it is closed, which made the peak grow with the corpus.
+        with open(tmp, "wb") as fh:
+            header = {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (size,)}
+            np.lib.format.write_array_header_1_0(fh, header)
+            start = fh.tell()
+            for s in shards:
+                with open(shard_dir / f"{s.index:06d}.{suffix}", "rb") as src:
+                    shutil.copyfileobj(src, fh, WINDOW * np.dtype(dtype).itemsize)
+            joined = fh.tell() - start
+        if joined != size * np.dtype(dtype).itemsize:  # the shards and their counts disagree
+            raise RuntimeError(f"{name}: joined {joined} bytes, expected {size} tokens")
         os.replace(tmp, out / name)
     _join_docs(shards, shard_dir, out / F.TRAIN_DOCS, label_field)
     shutil.rmtree(shard_dir, ignore_errors=True)
-
-
-def _copy(path: Path, dest: np.memmap, offset: int) -> int:
-    """Append the raw values of ``path`` to ``dest`` from ``offset`` through a fixed window."""
-    with open(path, "rb") as fh:
-        while True:
-            chunk = np.fromfile(fh, dtype=dest.dtype, count=WINDOW)
-            if chunk.size == 0:
-                return offset
-            dest[offset : offset + chunk.size] = chunk
-            offset += chunk.size
 
 
 def _join_docs(shards: list[Shard], shard_dir: Path, dest: Path, label_field) -> None:

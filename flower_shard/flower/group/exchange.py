@@ -21,7 +21,7 @@ from flower_shard.flower.group.faults import (
     inject_fault,
     inject_update_fault,
 )
-from flower_shard.flower.wire import flatten, pack, unpack
+from flower_shard.flower.wire import flatten, pack, unflatten_flat, unpack
 from flower_shard.runtime import compression as Z
 from flower_shard.runtime.weights import full_state, load_full_state
 
@@ -31,6 +31,11 @@ ERROR_FEEDBACK = "error_feedback"  # the residual's name in a group checkpoint's
 def full_weights(model: nn.Module) -> dict[str, np.ndarray]:
     """Every rank: the full weights gathered to rank 0 as float32 arrays (empty elsewhere)."""
     return {k: v.detach().float().numpy() for k, v in full_state(model).items()}
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (full shape, "") of the model's weights: what the server's arrays must fit."""
+    return {k: (tuple(v.shape), "") for k, v in model.state_dict().items()}
 
 
 def load_weights(
@@ -45,8 +50,7 @@ def load_weights(
         ``packed`` weights that do not fit this model's shapes.
     """
     if P.PACKED in arrays:
-        shapes = {k: (tuple(v.shape), "") for k, v in model.state_dict().items()}
-        reason, arrays = unpack(arrays, shapes)
+        reason, arrays = unpack(arrays, model_shapes(model))
         if reason:
             raise ValueError(f"the server's weights do not fit this group's model: {reason}")
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
@@ -72,6 +76,57 @@ class FlowerExchange:
         self.compressed = cfg.compression != NO_COMPRESSION
         self.feedback: Z.ErrorFeedback | None = None
         self.global_arrays: dict[str, np.ndarray] | None = None
+        self.held: np.ndarray | None = None
+        """Compressed downlink (rank 0): the model this group holds, flat float32 in sorted
+        name order, as the server's :class:`~flower_shard.flower.server.downlink.Downlink`
+        has it; None: none yet (a snapshot comes first)."""
+        self.held_version: int | None = None
+
+    def refusal(self, config: dict) -> str | None:
+        """Rank 0, before any rank acts: why this message's compressed downlink cannot be
+        applied here (the delta is from a version this group does not hold), or None."""
+        if P.DOWNLINK not in config:
+            return None
+        base = int(config[P.DOWNLINK_BASE])
+        if self.held is None or self.held_version != base:
+            return (
+                f"downlink: the delta applies to version {base} of the model but this group "
+                f"holds {self.held_version}; the server sends a snapshot next round"
+            )
+        return None
+
+    def receive(
+        self, arrays: dict[str, np.ndarray], config: dict, shapes: dict
+    ) -> dict[str, np.ndarray]:
+        """Rank 0: the global weights by name that a message's arrays stand for: a packed
+        snapshot, or, with the compressed downlink, the change of the model this group holds
+        (kept for the next). ``shapes``: name -> (shape, dtype) of this group's model.
+
+        Raises
+        ------
+        ValueError
+            Arrays that do not fit this model, or a payload that is not one.
+        """
+        version = config.get(P.DOWNLINK_VERSION)
+        if P.DOWNLINK in config:
+            reason = self.refusal(config)
+            payload = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+            kind = str(config[P.DOWNLINK])
+            reason = reason or Z.check_payload(
+                payload, kind, self.held.size, self.cfg.compression_chunk
+            )
+            if reason:
+                raise ValueError(f"the server's downlink cannot be used: {reason}")
+            self.held += Z.decompress(payload, kind, self.cfg.compression_chunk).numpy()
+        else:
+            reason, named = unpack(arrays, shapes)
+            if reason:
+                raise ValueError(f"the server's weights do not fit this group's model: {reason}")
+            if version is None:
+                return named
+            self.held = np.array(arrays[P.PACKED], dtype=np.float32)  # ours: it changes in place
+        self.held_version = int(version)
+        return unflatten_flat(self.held, shapes, sorted(shapes))
 
     def set_global(self, arrays: dict[str, np.ndarray]) -> None:
         """The round's global weights (rank 0): the reference of the compressed delta, and of

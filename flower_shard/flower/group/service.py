@@ -120,6 +120,10 @@ def next_command(worker: GroupWorker, server: ControlServer):
         }
         if method == P.GET_WEIGHTS:
             return command, arrays, done
+        refusal = worker.refusal(command[P.H_CONFIG])
+        if refusal:  # answered here: the ranks never see it, the group goes on
+            done.set_result(({P.H_ERROR: refusal}, {}))
+            continue
         try:  # refuse a bad configuration before any rank acts on it
             worker.check(command[P.H_CONFIG])
         except (ConfigError, KeyError, ValueError, TypeError) as exc:

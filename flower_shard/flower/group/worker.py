@@ -120,6 +120,19 @@ class GroupWorker:
         prepare_for(self.data_dir, check(self.train_config(config)))
         self.checkpoints.check_resumable(config)
 
+    def refusal(self, config: dict) -> str | None:
+        """Rank 0, before any rank acts: why this run's message cannot be served as it is (a
+        compressed downlink delta from a model this group does not hold), or None."""
+        if P.DOWNLINK not in config:
+            return None
+        same_run = self.run is not None and run_key(config) == self.run.key
+        if not same_run or self.run.exchange is None:
+            return (
+                "downlink: a delta came for a model this group does not hold (it started or "
+                "restarted since); the server sends a snapshot next round"
+            )
+        return self.run.exchange.refusal(config)
+
     def ensure_run(self, config: dict) -> None:
         """Build (or keep) the runtime for the run that ``config`` describes."""
         key = run_key(config)
@@ -157,6 +170,9 @@ class GroupWorker:
         config = command[P.H_CONFIG]
         self.ensure_run(config)
         if command.get(P.H_HAS_ARRAYS):
+            if self.run.exchange is not None and self.rank == 0:  # a snapshot or a delta
+                shapes = exchange.model_shapes(self.trainer.model)
+                arrays = self.run.exchange.receive(arrays, config, shapes)
             loaded = exchange.load_weights(self.trainer.model, arrays, self.device)
             if self.run.exchange is not None:  # compression replies with the delta from these
                 self.run.exchange.set_global(loaded)

@@ -126,7 +126,8 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePo
     transport) only a round whose group checkpoints exist (every ``checkpoint-every`` rounds).
     """
     t = fed.train
-    in_groups = transport_class(fed.transport).groups_hold_model
+    kind = transport_class(fed.transport)
+    in_groups = kind.groups_hold_model
     found = C.latest_good(
         Path(t.resume, F.CHECKPOINTS_DIR, F.SERVER_CHECKPOINTS),
         accept=lambda r: not in_groups or t.checkpoint_due(r),
@@ -142,8 +143,9 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePo
     I.check_identity(identity, state[RUN_NAME], None, str(found[1]))
     for note in I.compare(identity.get(I.SETTINGS, {}), I.federation_settings(fed), t.resume):
         log(WARNING, "resume: setting changed, allowed: %s", note)
-    # safetensors stores names sorted; the outer state is flat in the model's order.
-    arrays = {k: arrays[k] for k in state[ORDER]}
+    # safetensors stores names sorted; the outer state is flat in the model's order. A
+    # transport whose model lives elsewhere (streaming: the aggregators' files) saved none.
+    arrays = {k: arrays[k] for k in state[ORDER]} if kind.needs_initial_arrays else {}
     C.restore_rng(state["rng"])
     point = ResumePoint(state["round"], outer, state[HISTORY], state[RUN_NAME], str(found[1]))
     log(INFO, "resuming %s after round %d (%s)", point.run_name, point.round, found[1])

@@ -286,9 +286,12 @@ class ShardedFedAvg(Strategy):
             extra = self.transport.node_config(
                 server_round, run_id, rank, len(members), group=nodes.index(node)
             )
-            for key, value in extra.items():
+            own, keys = (
+                self.transport.node_records(node) if message_type == MessageType.TRAIN else ({}, {})
+            )
+            for key, value in (extra | keys).items():
                 cfg[key] = value
-            content = RecordDict({P.CONFIG: cfg, **records})
+            content = RecordDict({P.CONFIG: cfg, **records, **own})
             messages.append(Message(content, dst_node_id=node, message_type=message_type))
         return messages
 

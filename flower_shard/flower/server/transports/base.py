@@ -127,6 +127,10 @@ class Transport(ABC):
         """Records every training message carries besides its config (default: none)."""
         return {}
 
+    def node_records(self, node: int) -> tuple[dict[str, ArrayRecord], dict]:
+        """Records and config keys of one node's training message only (default: none)."""
+        return {}, {}
+
     # -- replies -------------------------------------------------------------------------------
 
     def check_payload(self, content: RecordDict) -> Payload | None:

@@ -23,6 +23,7 @@ from flower_shard.flower.server.aggregation import (
     update_norms,
     weighted_mean,
 )
+from flower_shard.flower.server.downlink import Downlink
 from flower_shard.flower.server.exchange import Messenger
 from flower_shard.flower.server.robust import RobustRules, Update
 from flower_shard.flower.server.transports.base import Aggregate, Transport
@@ -71,8 +72,15 @@ class FlowerTransport(Transport):
             t.outer,
             t.outer_lr,
             t.outer_momentum,
-            track_weights=self.compressed,
+            # Pseudo-gradients (compressed replies, or measured from what the groups hold).
+            track_weights=self.compressed or fed.downlink_compression != NO_COMPRESSION,
         )
+        self.downlink = (
+            Downlink(fed.downlink_compression, t.compression_chunk, initial)
+            if fed.downlink_compression != NO_COMPRESSION
+            else None
+        )
+        """The compressed downlink (``downlink-compression``): what the groups hold."""
         self.rules = RobustRules(fed.outlier_factor, clip=fed.clip_outliers)
         """The robust rules, with the history of the updates they accepted."""
         self.shares: dict[int, Share] = {}
@@ -82,9 +90,27 @@ class FlowerTransport(Transport):
     def compressed(self) -> bool:
         return self.fed.train.compression != NO_COMPRESSION
 
+    def begin_round(self, server_round: int) -> None:
+        if self.downlink is not None:
+            self.downlink.advance(self.global_arrays)
+
     def train_records(self, arrays: ArrayRecord) -> dict[str, ArrayRecord | ConfigRecord]:
+        if self.downlink is not None:  # per node: see node_records
+            return {}
         flat = pack({k: v.numpy() for k, v in arrays.items()})
         return {P.ARRAYS: ArrayRecord({P.PACKED: Array(flat)})}
+
+    def node_records(self, node: int) -> tuple[dict[str, ArrayRecord], dict]:
+        """Compressed downlink: the change of the model the node holds, or a snapshot."""
+        if self.downlink is None:
+            return {}, {}
+        record, keys = self.downlink.records(node)
+        return {P.ARRAYS: record}, keys
+
+    def reference(self) -> dict[str, np.ndarray]:
+        """Where the groups started this round: the global weights, or what the compressed
+        downlink gave them."""
+        return self.downlink.reference() if self.downlink is not None else self.global_arrays
 
     def check_payload(self, content: RecordDict) -> D.Payload:
         t = self.fed.train
@@ -95,10 +121,12 @@ class FlowerTransport(Transport):
     def screen(self, ok: list[R.TrainReply]) -> dict[int, str]:
         """The robust rules on the valid replies: the ones they leave out, with the reason;
         the weight (capped) and clipping of the others are kept for :meth:`aggregate`."""
+        if self.downlink is not None:
+            self.downlink.acknowledge(r.node for r in ok)
         if self.compressed:
             norms = [delta_norms(r.payload.arrays[D.DELTA]) for r in ok]
         else:
-            norms = update_norms([r.payload.arrays for r in ok], self.global_arrays)
+            norms = update_norms([r.payload.arrays for r in ok], self.reference())
         updates = [Update(float(r.num_tokens), r.steps, n.l2, n.linf) for r, n in zip(ok, norms)]
         decision = self.rules.judge(updates)
         for i, note in decision.notes.items():
@@ -130,6 +158,9 @@ class FlowerTransport(Transport):
             # The wire order is sorted by name; the outer optimizer's flat order is self.order.
             delta = flatten(D.delta_arrays(mean[D.DELTA], self.spec), self.order)
             new = unflatten(self.outer.apply(delta), self.global_arrays, self.order)
+        elif self.downlink is not None:  # the groups started from the model they hold
+            delta = flatten(self.reference(), self.order) - flatten(mean, self.order)
+            new = unflatten(self.outer.apply(delta), self.global_arrays, self.order)
         else:
             new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
         self.global_arrays = new
@@ -143,14 +174,17 @@ class FlowerTransport(Transport):
             return arrays
         if self.compressed:
             return {D.DELTA: clip_delta(arrays[D.DELTA], share.scale, share.bound)}
-        return clip_update(arrays, self.global_arrays, share.scale, share.bound)
+        return clip_update(arrays, self.reference(), share.scale, share.bound)
 
     def final_weights(self, messenger: Messenger) -> dict[str, np.ndarray] | None:
         """The server's own global weights."""
         return self.global_arrays
 
     def state_dict(self) -> dict:
-        return self.outer.state_dict()
+        downlink = self.downlink.state_dict() if self.downlink is not None else {}
+        return self.outer.state_dict() | downlink
 
     def load_state_dict(self, state: dict) -> None:
+        if self.downlink is not None:
+            self.downlink.load_state_dict(state)
         self.outer.load_state_dict(state)
