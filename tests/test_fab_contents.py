@@ -10,6 +10,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import pytest
 from flwr.cli.build import build_fab_from_files
 from flwr.cli.utils import collect_files
 
@@ -31,6 +32,9 @@ STRAYS = {
     "notes.md": b"# notes\n",
     "scratch.py": b"",
 }
+
+# Flower builds the FAB with pathspec's "gitwildmatch" patterns, deprecated there: not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 
 
 def built_fab(tmp_path: Path) -> list[str]:
