@@ -57,7 +57,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
         check_records(cfg.data, cfg.text_column)
     if cfg.tensorboard:
         require_tensorboard()
-    check_device(cfg.device, cfg.groups * cfg.nproc_per_group // cfg.nnodes)
+    ranks = "the ranks per host (--groups x --nproc-per-group / --nnodes)"
+    check_device(cfg.device, cfg.groups * cfg.nproc_per_group // cfg.nnodes, ranks)
     return cfg
 
 
