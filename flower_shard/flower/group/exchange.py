@@ -41,18 +41,9 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
 def load_weights(
     model: nn.Module, arrays: dict[str, np.ndarray], device: torch.device
 ) -> dict[str, np.ndarray]:
-    """Every rank: load the full float32 arrays that rank 0 received into the sharded model;
-    returns them by name (rank 0; empty elsewhere).
-
-    Raises
-    ------
-    ValueError
-        ``packed`` weights that do not fit this model's shapes.
-    """
-    if P.PACKED in arrays:
-        reason, arrays = unpack(arrays, model_shapes(model))
-        if reason:
-            raise ValueError(f"the server's weights do not fit this group's model: {reason}")
+    """Every rank: load the full float32 arrays by name that rank 0 has (from
+    :meth:`FlowerExchange.receive`, which checks them against the model) into the sharded
+    model; returns them (rank 0; empty elsewhere)."""
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     if device.type == "cuda":
         state = {k: v.to(device) for k, v in state.items()}
