@@ -74,7 +74,7 @@ def range_of(field: dataclasses.Field) -> Range | None:
     return field.metadata.get(RANGE)
 
 
-def _base_type(field: dataclasses.Field) -> tuple[str, bool]:
+def base_type(field: dataclasses.Field) -> tuple[str, bool]:
     """The annotation's type name and whether it admits None (``int | None`` -> int, True)."""
     parts = [p.strip() for p in str(field.type).split("|")]
     optional = "None" in parts
@@ -84,7 +84,7 @@ def _base_type(field: dataclasses.Field) -> tuple[str, bool]:
 
 def numeric_fields(config) -> list[dataclasses.Field]:
     """The int and float fields of the dataclass ``config`` (instance or class)."""
-    return [f for f in dataclasses.fields(config) if _base_type(f)[0] in ("int", "float")]
+    return [f for f in dataclasses.fields(config) if base_type(f)[0] in ("int", "float")]
 
 
 def _type_error(name: str, kind: str, value) -> str | None:
@@ -110,7 +110,7 @@ def check_fields(config, prefix: str = "--", skip: tuple[str, ...] = ()) -> None
             continue
         flag = prefix + f.name.replace("_", "-")
         value = getattr(config, f.name)
-        kind, optional = _base_type(f)
+        kind, optional = base_type(f)
         if value is None and optional:
             continue
         wrong = _type_error(f.name, kind, value)

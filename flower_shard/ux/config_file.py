@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from flower_shard.config.federation import RENAMED
+from flower_shard.config.ranges import base_type
 from flower_shard.config.train import TrainConfig
 from flower_shard.errors import ConfigError
 
@@ -65,13 +66,12 @@ def read_settings(path: str) -> dict:
 def _typed(path: str, key: str, field: dataclasses.Field, value):
     """``value`` as the field holds it: "" as None where None is allowed, an integer where a
     float is expected as that float; anything else is left to the field checks."""
-    optional = "None" in str(field.type)
+    kind, optional = base_type(field)
     if value == "" and optional:
         return None
     if isinstance(value, dict | list):
         raise ConfigError(f"--config {path}: {key} must be a single value, not {value!r}")
-    kind = str(field.type).split("|")[0].strip()
-    if kind in ("int", "float") and (isinstance(value, str | bool)):
+    if kind in ("int", "float") and isinstance(value, str | bool):
         raise ConfigError(f"--config {path}: {key} must be a number, got {value!r}")
     if kind == "float" and isinstance(value, int):
         return float(value)
