@@ -141,12 +141,24 @@ def versions() -> str:
     return f"flower-shard {__version__} (flwr {of('flwr')}, torch {of('torch')}, Python {python})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: :func:`versions`, looked up only when asked (30 ms of package metadata
+    that no other command should pay at start-up)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the versions and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit()
+
+
 def build_parser(train_settings: dict | None = None) -> argparse.ArgumentParser:
     """``flower-shard [--log-level L] COMMAND [--log-level L] ...``: the level is taken before
     or after the command. ``train_settings``: ``train``'s defaults as a ``--config`` file
     sets them (flags still win)."""
     parser = _Parser(prog="flower-shard", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=versions())
+    parser.add_argument("--version", action=_VersionAction)
     add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
