@@ -64,7 +64,7 @@ class Downlink:
 
     def records(self, node: int) -> tuple[ArrayRecord, dict]:
         """The arrays and config keys of ``node``'s message this round."""
-        if self.version > 0 and self.holds.get(node) == self.version - 1:
+        if self.holds.get(node) == self.version - 1:  # holds only versions >= 1
             keys = {P.DOWNLINK: self.kind, P.DOWNLINK_BASE: self.version - 1}
             return self._delta, keys | {P.DOWNLINK_VERSION: self.version}
         if self._snapshot is None:
