@@ -505,14 +505,15 @@ def test_warm_clientapp_outlives_a_refused_task_and_is_restarted_if_it_dies(depl
     # The warm process itself killed: the node starts another and serves the next run.
     # Both groups in the round (a node that an earlier test restarted may still be joining).
     before = run(deployment, tmp_path / "a", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 2})
-    pids = {g["group"]: g["clientapp_pid"] for g in before[0]["groups"]}
-    assert sorted(pids) == [0, 1], before[0]
+    pids = [g["clientapp_pid"] for g in before[0]["groups"]]  # group indices may shift
+    assert len(set(pids)) == 2, before[0]
     os.kill(pids[0], signal.SIGKILL)
     after = run(deployment, tmp_path / "b", **{P.NUM_SERVER_ROUNDS: 1, P.MIN_GROUPS: 2})
     assert after[0]["groups_ok"] == 2
-    new = {g["group"]: g["clientapp_pid"] for g in after[0]["groups"]}
-    assert new[0] != pids[0] and new[1] == pids[1], (pids, new)
-    cmdline = Path(f"/proc/{new[0]}/cmdline").read_bytes()
+    new = {g["clientapp_pid"] for g in after[0]["groups"]}
+    assert pids[0] not in new and pids[1] in new, (pids, new)
+    (started,) = new - {pids[1]}
+    cmdline = Path(f"/proc/{started}/cmdline").read_bytes()
     assert b"flower_shard.flower.node.warm_superexec" in cmdline
 
 
