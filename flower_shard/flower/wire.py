@@ -33,7 +33,6 @@ Spec = Mapping[str, tuple[tuple[int, ...], str]]
 """Name -> (shape, dtype) of a model: what every reply must match."""
 
 
-
 def encode(header: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
     """A control-service message: 4-byte header length, JSON header, then safetensors bytes."""
     from safetensors.numpy import save

@@ -14,13 +14,15 @@ flattened in a fixed key order (:mod:`flower_shard.flower.wire`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from flower_shard.flower.wire import Arrays
 
+FOLD_CHUNK = 1 << 22
+"""Values of one array that the weighted mean folds at once (bounds its float64 temporaries)."""
 TRIM_CHUNK = 1 << 20
 """Values per array that the trimmed mean sorts at once (bounds its memory: ~5 x G x 8 bytes
 per value)."""
@@ -53,20 +55,52 @@ def scaled_weights(weights: Sequence[float]) -> np.ndarray:
     return np.array(scaled, dtype=np.float64)
 
 
-def weighted_mean(models: list[Arrays], weights: Sequence[float]) -> dict[str, np.ndarray]:
+def weighted_mean(models: Sequence[Arrays], weights: Sequence[float]) -> dict[str, np.ndarray]:
     """sum_i w_i x_i / sum_i w_i per array, accumulated in float64, returned in float32.
 
     The weights are :func:`scaled_weights` (exact rescaling), so any finite weights work, and
     the result is the same bits as the direct formula wherever that one does not overflow.
     """
+    order = list(models[0])
+    return _named(weighted_mean_flat(models, weights, order), models[0], order)
+
+
+def weighted_mean_flat(
+    models: Sequence[Arrays], weights: Sequence[float], order: Sequence[str]
+) -> np.ndarray:
+    """:func:`weighted_mean` as one flat float32 vector, the arrays concatenated in ``order``.
+
+    Each array of each model is read once (a spooled reply is read from disk then), folded
+    slice by slice into one float64 accumulator the size of that array: the memory is the
+    result, the largest array twice over and a slice, whatever the number of models.
+    """
     scaled = scaled_weights(weights)
     total = math.fsum(scaled)
-    out = {}
-    for name in models[0]:
-        acc = np.zeros(models[0][name].shape, dtype=np.float64)
+    out = np.empty(sum(int(np.prod(models[0][k].shape)) for k in order), dtype=np.float32)
+    at = 0
+    for name in order:
+        acc = None
         for model, w in zip(models, scaled):
-            acc += w * model[name].astype(np.float64)
-        out[name] = (acc / total).astype(np.float32)
+            values = model[name].reshape(-1)
+            if acc is None:
+                acc = np.zeros(values.size, dtype=np.float64)
+            for s in range(0, values.size, FOLD_CHUNK):
+                acc[s : s + FOLD_CHUNK] += w * values[s : s + FOLD_CHUNK].astype(np.float64)
+            del values
+        for s in range(0, acc.size, FOLD_CHUNK):
+            out[at + s : at + min(acc.size, s + FOLD_CHUNK)] = acc[s : s + FOLD_CHUNK] / total
+        at += acc.size
+    return out
+
+
+def _named(flat: np.ndarray, like: Arrays, order: Sequence[str]) -> dict[str, np.ndarray]:
+    """Views of ``flat`` shaped like ``like``'s arrays, in ``order``."""
+    out, at = {}, 0
+    for k in order:
+        shape = like[k].shape
+        n = int(np.prod(shape))
+        out[k] = flat[at : at + n].reshape(shape)
+        at += n
     return out
 
 
@@ -88,7 +122,7 @@ def trim_count(groups: int, fraction: float) -> int:
 
 
 def trimmed_mean(
-    models: list[Arrays], weights: Sequence[float], trim_fraction: float
+    models: Sequence[Arrays], weights: Sequence[float], trim_fraction: float
 ) -> dict[str, np.ndarray]:
     """Coordinate-wise trimmed mean, weighted.
 
@@ -103,21 +137,33 @@ def trimmed_mean(
     ValueError
         Fewer than 3 groups (:func:`trim_count`), or a weight that is not > 0.
     """
+    order = list(models[0])
+    return _named(trimmed_mean_flat(models, weights, trim_fraction, order), models[0], order)
+
+
+def trimmed_mean_flat(
+    models: Sequence[Arrays], weights: Sequence[float], trim_fraction: float, order: Sequence[str]
+) -> np.ndarray:
+    """:func:`trimmed_mean` as one flat float32 vector, the arrays concatenated in ``order``
+    (each coordinate needs every group's value: it holds every model's slice of
+    :data:`TRIM_CHUNK` values at once)."""
     k = trim_count(len(models), trim_fraction)
     scaled = scaled_weights(weights)
     if not (scaled > 0).all():
         raise ValueError("trimmed-mean needs every weight above 0")
-    out = {}
-    for name in models[0]:
+    out = np.empty(sum(int(np.prod(models[0][n].shape)) for n in order), dtype=np.float32)
+    at = 0
+    for name in order:
         flat = [m[name].reshape(-1) for m in models]
-        result = np.empty(flat[0].size, dtype=np.float32)
+        result = out[at : at + flat[0].size]
         for start in range(0, flat[0].size, TRIM_CHUNK):
             part = np.stack([f[start : start + TRIM_CHUNK].astype(np.float64) for f in flat])
-            order = np.argsort(part, axis=0, kind="stable")[k : len(models) - k]
-            kept = np.take_along_axis(part, order, axis=0)
-            w = scaled[order]
+            rank = np.argsort(part, axis=0, kind="stable")[k : len(models) - k]
+            kept = np.take_along_axis(part, rank, axis=0)
+            w = scaled[rank]
             result[start : start + TRIM_CHUNK] = (kept * w).sum(axis=0) / w.sum(axis=0)
-        out[name] = result.reshape(models[0][name].shape)
+        at += flat[0].size
+        del flat
     return out
 
 
@@ -160,10 +206,33 @@ def clip_delta(delta: np.ndarray, scale: float, bound: float | None) -> np.ndarr
 
 def clip_update(
     model: Arrays, global_weights: Arrays, scale: float, bound: float | None
-) -> dict[str, np.ndarray]:
+) -> Mapping[str, np.ndarray]:
     """The model whose update is :func:`clip_delta` of ``model``'s: ``global + scale x
-    clamp(model - global, -bound, bound)`` per array, float64."""
-    out = {}
-    for k, g in global_weights.items():
-        out[k] = g + clip_delta(model[k].astype(np.float64) - g, scale, bound)
-    return out
+    clamp(model - global, -bound, bound)`` per array, float64, each array computed when read
+    (a mean over clipped replies then holds one clipped array at a time, not whole models)."""
+    return LazyArrays(
+        list(global_weights),
+        lambda k: (
+            global_weights[k]
+            + clip_delta(model[k].astype(np.float64) - global_weights[k], scale, bound)
+        ),
+    )
+
+
+class LazyArrays(Mapping):
+    """Named arrays computed when read (``compute(name)``), never kept: a mean over G such
+    models holds one computed array at a time."""
+
+    def __init__(self, names: Sequence[str], compute: Callable[[str], np.ndarray]):
+        self.names, self.compute = list(names), compute
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.compute(name)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

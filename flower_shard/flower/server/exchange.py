@@ -9,6 +9,7 @@ and a later exchange of the same round (the groups' evaluation) cannot change th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from logging import INFO
 
@@ -36,6 +37,14 @@ class Exchange:
 
 
 @dataclass(frozen=True)
+class Pushed:
+    """Messages pushed to the SuperLink, whose replies are to come."""
+
+    ids: list[str]
+    push_s: float
+
+
+@dataclass(frozen=True)
 class Messenger:
     """The strategy's link to the groups: the Grid, a timeout and a poll interval."""
 
@@ -50,22 +59,40 @@ class Messenger:
     def run_id(self) -> int:
         return self.grid.run.run_id
 
-    def send_and_receive(self, messages: list[Message]) -> Exchange:
-        """Push, then pull every ``poll_interval`` until all replied or ``timeout`` passed."""
+    def send_and_receive(
+        self, messages: list[Message], take: Callable[[Message], Message] | None = None
+    ) -> Exchange:
+        """:meth:`push`, then :meth:`receive`."""
+        return self.receive(self.push(messages), take)
+
+    def push(self, messages: list[Message]) -> Pushed:
+        """Push the messages (the Grid gives them their ids)."""
         start = time.perf_counter()
         ids = list(self.grid.push_messages(messages)) if messages else []
-        pushed = time.perf_counter()
-        pending = {i for i in ids if i}  # None: a message the Grid could not push
+        # None: a message the Grid could not push (no reply will come)
+        return Pushed([i for i in ids if i], time.perf_counter() - start)
+
+    def receive(self, pushed: Pushed, take: Callable[[Message], Message] | None = None) -> Exchange:
+        """Pull every ``poll_interval`` until all replied or ``timeout`` passed.
+
+        Replies are pulled one message at a time (the Grid inflates every reply a pull asks for
+        at once) and each goes through ``take`` as it arrives, which keeps what it needs of the
+        reply and returns what the exchange keeps (the reply, its arrays dropped): so the
+        ServerApp holds one reply's arrays at a time, whatever the number of groups.
+        """
+        start = time.perf_counter()
+        pending = list(pushed.ids)
         replies: list[Message] = []
         deadline = time.monotonic() + self.timeout
         while pending and time.monotonic() < deadline:
-            got = list(self.grid.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
+            for mid in list(pending):
+                for msg in self.grid.pull_messages([mid]):
+                    replies.append(take(msg) if take else msg)
+                    if msg.metadata.reply_to_message_id in pending:
+                        pending.remove(msg.metadata.reply_to_message_id)
             if pending:
                 time.sleep(self.poll_interval)
-        done = time.perf_counter()
-        return Exchange(replies, Times(pushed - start, done - pushed))
+        return Exchange(replies, Times(pushed.push_s, time.perf_counter() - start))
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Wait until at least ``count`` nodes are connected; TimeoutError after ``timeout``."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from flower_shard import protocol as P
+from flower_shard.flower.server.aggregation import Norms
 from flower_shard.flower.wire import Arrays, Spec, unflatten_flat, unpack
 
 DELTA = "delta"
@@ -31,12 +33,15 @@ class Rejected(ValueError):
 class Payload:
     """The arrays of a reply, checked and decoded, as the transport's aggregation reads them."""
 
-    arrays: dict[str, np.ndarray]
-    """The model's named arrays, or ``{DELTA: flat pseudo-gradient}`` (compressed)."""
+    arrays: Mapping[str, np.ndarray]
+    """The model's named arrays, or ``{DELTA: flat pseudo-gradient}`` (compressed); once
+    kept, read from the disk (:mod:`~flower_shard.flower.server.reply_spool`)."""
     nbytes: int
     """The size of the ``arrays`` record as it crossed Flower."""
     decode_s: float
     """The server's time to check and decode it (a part of the flower transport's sync)."""
+    norms: Norms | None = None
+    """The size of its update, where taken on arrival (before its arrays went to disk)."""
 
 
 def array_record(content: RecordDict, why: str) -> tuple[dict[str, np.ndarray], int]:

@@ -188,19 +188,65 @@ def check_train_replies(
     fields: tuple[Field, ...] = TRAIN_FIELDS,
     payload: PayloadCheck | None = None,
 ) -> tuple[list[TrainReply], list[str]]:
-    """The round's valid training replies and, for each other one, ``node N: reason``.
+    """The round's valid training replies and, for each other one, ``node N: reason``
+    (:class:`Intake` on a list)."""
+    intake = Intake(server_round, rules, fields, payload)
+    for msg in replies:
+        intake.take(msg)
+    return intake.ok, intake.rejected
 
-    A node's second valid reply in one round is rejected (its weight would count twice)."""
-    seen: set[int] = set()
 
-    def check(msg: Message) -> TrainReply:
-        reply = check_train_reply(msg, rules, fields, payload)
-        if reply.node in seen:
+class Intake:
+    """A round's training replies, checked one at a time as they arrive.
+
+    :meth:`take` checks a reply (:func:`check_train_reply`; a node's second valid reply in one
+    round is rejected: its weight would count twice), passes a valid one through ``keep`` (the
+    transport's: the flower transport writes its arrays to disk) and removes the message's
+    arrays, so nothing of a reply's size stays in memory after it. Whatever one reply makes the
+    check raise rejects that reply only (logged, and a line in :attr:`rejected`).
+    """
+
+    def __init__(
+        self,
+        server_round: int,
+        rules: ReplyRules,
+        fields: tuple[Field, ...] = TRAIN_FIELDS,
+        payload: PayloadCheck | None = None,
+        keep: Callable[[TrainReply], TrainReply] | None = None,
+    ):
+        self.server_round, self.rules, self.fields = server_round, rules, fields
+        self.payload, self.keep = payload, keep
+        self.ok: list[TrainReply] = []
+        """The valid replies, in the order they came."""
+        self.rejected: list[str] = []
+        """``node N: reason`` for every other one."""
+        self._seen: set[int] = set()
+
+    def take(self, msg: Message) -> Message:
+        """Check and keep one reply; returns the message without its arrays."""
+        reply, reason = attempt(self._check, msg)
+        if reason is None:
+            self.ok.append(reply)
+        else:
+            node = addressee(msg, self.rules.asked)
+            self.rejected.append(reject(self.server_round, MessageType.TRAIN, node, reason))
+        _drop_arrays(msg)
+        return msg
+
+    def _check(self, msg: Message) -> TrainReply:
+        reply = check_train_reply(msg, self.rules, self.fields, self.payload)
+        if reply.node in self._seen:
             raise Rejected("a second reply to the same message")
-        seen.add(reply.node)
-        return reply
+        self._seen.add(reply.node)
+        return self.keep(reply) if self.keep else reply
 
-    return screen(server_round, MessageType.TRAIN, replies, check, rules.asked)
+
+def _drop_arrays(msg: object) -> None:
+    try:
+        if not msg.has_error() and P.ARRAYS in msg.content:
+            del msg.content[P.ARRAYS]
+    except Exception:  # not a Message, or one without content: nothing held
+        pass
 
 
 def check_eval_reply(msg: Message) -> float:
@@ -229,15 +275,23 @@ def screen(
     only."""
     ok, rejected = [], []
     for msg in replies:
-        try:
-            ok.append(check(msg))
-            continue
-        except Rejected as exc:
-            reason = str(exc)
-        except Exception as exc:  # a reply no check foresaw: still only this reply's problem
-            reason = f"unreadable reply ({type(exc).__name__}: {exc})"
-        rejected.append(reject(server_round, phase, addressee(msg, asked), reason))
+        value, reason = attempt(check, msg)
+        if reason is None:
+            ok.append(value)
+        else:
+            rejected.append(reject(server_round, phase, addressee(msg, asked), reason))
     return ok, rejected
+
+
+def attempt(check: Callable[[Message], T], msg: Message) -> tuple[T | None, str | None]:
+    """(``check(msg)``, None), or (None, why it raised): :class:`Rejected`'s reason, or any other
+    exception named (a reply no check foresaw is still only this reply's problem)."""
+    try:
+        return check(msg), None
+    except Rejected as exc:
+        return None, str(exc)
+    except Exception as exc:
+        return None, f"unreadable reply ({type(exc).__name__}: {exc})"
 
 
 def reject(server_round: int, phase: str, node: object, reason: str) -> str:

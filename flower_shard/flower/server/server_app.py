@@ -18,7 +18,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -179,9 +179,10 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
     )
     strategy = ShardedFedAvg(fed)
     strategy.on_round = round_recorder(strategy, fed, out, run_name, logger)
-    result = strategy.start(
+    strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord({k: Array(v) for k, v in first.items()}),
+        initial_arrays=ArrayRecord(),
+        initial_weights=first,  # taken by the transport, without a copy (the dict is emptied)
         num_rounds=t.rounds,
         timeout=fed.round_timeout,
         train_config=ConfigRecord(fed.group_config() | {P.RUN_NAME: run_name}),
@@ -189,8 +190,9 @@ def run(grid: Grid, fed: FederationConfig, out: Path) -> None:
         resumed=resumed,
     )
     logger.close()
-    if len(result.arrays):
-        save_file({k: v.numpy() for k, v in result.arrays.items()}, str(out / F.FINAL_MODEL))
+    if strategy.final_weights:
+        final = {k: np.ascontiguousarray(v) for k, v in strategy.final_weights.items()}
+        save_file(final, str(out / F.FINAL_MODEL))
     summary = {
         P.S_STATUS: P.STATUS_OK,
         P.S_ROUNDS: len(strategy.history),

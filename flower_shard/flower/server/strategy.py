@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 
+import numpy as np
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -81,6 +82,8 @@ class ShardedFedAvg(Strategy):
         """The run's transport (built by :meth:`start` from the initial weights)."""
         self.history: list[dict] = []
         """The rounds' metrics records, resumed ones included."""
+        self.final_weights: dict[str, np.ndarray] = {}
+        """The model after the run (empty if the transport could not get one)."""
         self._sent: list[Message] = []
         """The training messages of the round in flight (configure_train's): what its replies
         answer, and what they must match."""
@@ -94,7 +97,7 @@ class ShardedFedAvg(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One message per member: the config, its place, and the transport's records."""
-        records = self.transport.train_records(arrays)
+        records = self.transport.train_records()
         self._sent = self._messages(server_round, config, grid, MessageType.TRAIN, records)
         return self._sent
 
@@ -138,28 +141,40 @@ class ShardedFedAvg(Strategy):
         evaluate_fn: EvaluateFn | None = None,
         *,
         resumed: ResumePoint | None = None,
+        initial_weights: dict[str, np.ndarray] | None = None,
     ) -> Result:
         """Run the rounds; ``timeout``: how long to wait for ``min-groups`` nodes to connect.
 
         ``evaluate_fn`` evaluates the global model where the ServerApp holds it. ``resumed``
         continues a run from a server checkpoint, whose global weights are then
-        ``initial_arrays``. ``Result.arrays`` is the final model (empty if the transport could
-        not get one).
+        ``initial_arrays``. ``initial_weights``, if given, replaces ``initial_arrays`` without
+        a copy: the transport takes its arrays and the dict is left empty, so that the caller
+        does not keep the first model for the whole run; the final model is then only
+        :attr:`final_weights`, not also ``Result.arrays`` (a copy). ``Result.arrays`` is the
+        final model (empty if the transport could not get one).
         """
         began = time.perf_counter()
         config = ConfigRecord(self.fed.group_config()) if train_config is None else train_config
+        if initial_weights is None:
+            initial = {k: v.numpy() for k, v in initial_arrays.items()}
+        else:
+            initial = dict(initial_weights)
+            initial_weights.clear()
         log(INFO, "Starting %s strategy:", type(self).__name__)
-        log_strategy_start_info(num_rounds, initial_arrays, config, evaluate_config)
+        log_strategy_start_info(num_rounds, ArrayRecord(), config, evaluate_config)
+        log(INFO, "\t├── Initial model: %.2f MB", sum(a.nbytes for a in initial.values()) / 2**20)
         self.summary()
-        initial = {k: v.numpy() for k, v in initial_arrays.items()}
         self.transport = transport_class(self.fed.transport)(self.fed, initial)
+        del initial, initial_arrays  # the transport holds the first model from here
         if resumed:
             self.transport.load_state_dict(resumed.transport_state)
             self.history = list(resumed.history)
             config[P.RESUME_ROUND] = resumed.round
         messenger = Messenger(grid, self.fed.round_timeout, self.fed.poll_interval)
         schedule = RoundSchedule(self.fed.train, num_rounds, self.fed.round_seconds, self.history)
-        result, arrays = Result(), initial_arrays
+        # Flower's hooks take the global model as an ArrayRecord; the transports read their own
+        # (an ArrayRecord is a copy of the model's bytes: none is kept between rounds).
+        result, arrays = Result(), ArrayRecord()
         with self.transport:
             if resumed and resumed.directory:
                 self.transport.load_files(resumed.directory)
@@ -167,9 +182,11 @@ class ShardedFedAvg(Strategy):
             while (plan := schedule.next()) is not None:
                 log(INFO, "")
                 log(INFO, "[ROUND %s%s]", plan.round, schedule.total)
-                arrays = self._round(messenger, plan, schedule, arrays, config, evaluate_fn, result)
+                self._round(messenger, plan, schedule, arrays, config, evaluate_fn, result)
             final = self.transport.final_weights(messenger)
-        result.arrays = ArrayRecord({k: Array(v) for k, v in (final or {}).items()})
+        self.final_weights = final or {}
+        if initial_weights is None:  # Flower's way: the model as an ArrayRecord (a copy)
+            result.arrays = ArrayRecord({k: Array(v) for k, v in self.final_weights.items()})
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - began)
         return result
@@ -183,13 +200,12 @@ class ShardedFedAvg(Strategy):
         config: ConfigRecord,
         evaluate_fn: EvaluateFn | None,
         result: Result,
-    ) -> ArrayRecord:
-        """One round: train, aggregate, evaluate, record; returns the global arrays after it."""
+    ) -> None:
+        """One round: train, aggregate, evaluate, record (``arrays``: what Flower's hooks are
+        given; the transport holds the model)."""
         start = time.perf_counter()
-        messages, exchange, outcome = self._train(messenger, plan, arrays, config)
-        new_arrays, metrics = outcome.arrays, outcome.metrics  # each built once: a whole model
-        if new_arrays is not None:
-            arrays = new_arrays
+        sent, exchange, outcome = self._train(messenger, plan, arrays, config)
+        metrics = outcome.metrics
         if metrics is not None:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             result.train_metrics_clientapp[plan.round] = metrics
@@ -203,8 +219,6 @@ class ShardedFedAvg(Strategy):
             eval_s=time.perf_counter() - evaluated if plan.evaluate else 0.0,
         )
         local_steps = schedule.trained(plan, max((r.steps for r in outcome.ok), default=0))
-        # Arrays that crossed Flower this round: sent to every member, and the valid replies'.
-        sent = sum(m.content[P.ARRAYS].count_bytes() for m in messages if P.ARRAYS in m.content)
         dropped = len(self.transport.dropped)
         stats = RoundStats.collect(plan, local_steps, outcome, sent, dropped, timing, evaluation)
         record = stats.record()
@@ -212,12 +226,13 @@ class ShardedFedAvg(Strategy):
         schedule.done(record)
         if self.on_round:
             self.on_round(record)
-        return arrays
 
     def _train(
         self, messenger: Messenger, plan: RoundPlan, arrays: ArrayRecord, config: ConfigRecord
-    ) -> tuple[list[Message], Exchange, TrainOutcome]:
-        """The training phase: configure, send and receive, check and aggregate."""
+    ) -> tuple[int, Exchange, TrainOutcome]:
+        """The training phase: configure, send, check each reply as it comes, aggregate.
+
+        Returns the bytes of arrays sent (to every member), the exchange and its outcome."""
         per_round = {P.ROUND_STEPS: plan.steps}
         if plan.seconds:
             per_round[P.ROUND_SECONDS] = plan.seconds
@@ -226,11 +241,21 @@ class ShardedFedAvg(Strategy):
         messages = list(self.configure_train(plan.round, arrays, round_config, messenger.grid))
         budget = f"as many as fit in {plan.seconds:g} s, at most" if plan.seconds else "each"
         log(INFO, "configure_train: %d group(s), %s %d steps", len(messages), budget, plan.steps)
-        exchange = messenger.send_and_receive(messages)
-        outcome = self._aggregate(plan.round, exchange.replies)
+        sent = sum(m.content[P.ARRAYS].count_bytes() for m in messages if P.ARRAYS in m.content)
+        pushed = messenger.push(messages)
+        intake = R.Intake(
+            plan.round,
+            self._reply_rules(),
+            R.TRAIN_FIELDS + self.transport.reply_fields,
+            self.transport.check_payload,
+            self.transport.keep,
+        )
+        self._sent, messages = [], []  # the rules have what they need: drop the sent model
+        exchange = messenger.receive(pushed, intake.take)
+        outcome = self._aggregate(plan.round, exchange.replies, intake)
         ok, failed = len(outcome.ok), len(outcome.rejected)
         log(INFO, "aggregate_train: received %d results and %d failures", ok, failed)
-        return messages, exchange, outcome
+        return sent, exchange, outcome
 
     def _evaluate(
         self,
@@ -252,6 +277,8 @@ class ShardedFedAvg(Strategy):
             store = result.evaluate_metrics_clientapp
         elif evaluate_fn is not None:
             log(INFO, "Global evaluation")
+            if not len(arrays):  # the model as Flower's hook takes it, for this call only
+                arrays = ArrayRecord({k: Array(v) for k, v in self.transport.global_arrays.items()})
             metrics = evaluate_fn(server_round, arrays)
             store = result.evaluate_metrics_serverapp
         else:
@@ -311,9 +338,13 @@ class ShardedFedAvg(Strategy):
             ranks=self._ranks,
         )
 
-    def _aggregate(self, server_round: int, replies: list[Message]) -> TrainOutcome:
-        """Check every reply, leave out the transport's outliers, aggregate the rest."""
-        rules = self._reply_rules()
+    def _aggregate(
+        self, server_round: int, replies: list[Message], intake: R.Intake | None = None
+    ) -> TrainOutcome:
+        """Check every reply (unless ``intake`` did as they came), leave out the transport's
+        outliers, aggregate the rest in group order (the same bits whatever order the replies
+        came in)."""
+        rules = intake.rules if intake else self._reply_rules()
         answered = {r.metadata.reply_to_message_id: r for r in replies}
         timeout = f"no reply within round-timeout {self.fed.round_timeout:.0f} s"
         rejected = [
@@ -321,11 +352,13 @@ class ShardedFedAvg(Strategy):
             for mid, node in rules.asked.items()
             if mid not in answered
         ]
-        fields = R.TRAIN_FIELDS + self.transport.reply_fields
-        ok, bad = R.check_train_replies(
-            server_round, replies, rules, fields, self.transport.check_payload
-        )
-        rejected += bad
+        if intake is None:
+            fields = R.TRAIN_FIELDS + self.transport.reply_fields
+            intake = R.Intake(server_round, rules, fields, self.transport.check_payload)
+            for msg in replies:
+                intake.take(msg)
+        ok = sorted(intake.ok, key=lambda r: r.group)
+        rejected += intake.rejected
         self._ranks = {r.node: r.ranks for r in ok}
         outliers = self.transport.screen(ok)
         for i, reason in outliers.items():

@@ -8,6 +8,7 @@ what a round's message carries  :meth:`Transport.train_records`, :meth:`Transpor
 who takes part                  :meth:`Transport.members` (and :meth:`Transport.observe`)
 how a reply is checked          :attr:`Transport.reply_fields`, :meth:`Transport.check_payload`
                                 (the checks themselves: :mod:`~flower_shard.flower.server.replies`)
+what is kept of it on arrival   :meth:`Transport.keep`
 how replies are aggregated      :meth:`Transport.screen`, :meth:`Transport.aggregate`
 how the model is evaluated      :attr:`Transport.groups_hold_model`: the groups evaluate their
                                 model, or the ServerApp evaluates the global one
@@ -123,7 +124,7 @@ class Transport(ABC):
         index ``group``)."""
         return {}
 
-    def train_records(self, arrays: ArrayRecord) -> dict[str, ArrayRecord | ConfigRecord]:
+    def train_records(self) -> dict[str, ArrayRecord | ConfigRecord]:
         """Records every training message carries besides its config (default: none)."""
         return {}
 
@@ -136,6 +137,11 @@ class Transport(ABC):
     def check_payload(self, content: RecordDict) -> Payload | None:
         """The checked arrays of a training reply (raises ``Rejected``); None: it has none."""
         return None
+
+    def keep(self, reply: TrainReply) -> TrainReply:
+        """A valid training reply as it arrives, before its message is dropped: what of it the
+        aggregation will read (default: the reply as is)."""
+        return reply
 
     def screen(self, ok: list[TrainReply]) -> dict[int, str]:
         """Index in ``ok`` -> why that valid reply is left out of the aggregation anyway."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from logging import WARNING
 
 import numpy as np
@@ -16,18 +17,21 @@ from flower_shard.config.federation import FederationConfig
 from flower_shard.flower.server import payloads as D
 from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.aggregation import (
+    LazyArrays,
+    Norms,
     clip_delta,
     clip_update,
     delta_norms,
-    trimmed_mean,
+    trimmed_mean_flat,
     update_norms,
-    weighted_mean,
+    weighted_mean_flat,
 )
 from flower_shard.flower.server.downlink import Downlink
 from flower_shard.flower.server.exchange import Messenger
+from flower_shard.flower.server.reply_spool import ReplySpool
 from flower_shard.flower.server.robust import RobustRules, Update
 from flower_shard.flower.server.transports.base import Aggregate, Transport
-from flower_shard.flower.wire import flatten, pack, unflatten
+from flower_shard.flower.wire import flatten, pack, unflatten, unflatten_flat
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ class FlowerTransport(Transport):
     :class:`~flower_shard.runtime.outer_optimizer.OuterOptimizer`) to give the next global
     weights. With fewer than ``min-groups`` valid replies the global weights stay as they were.
     The ServerApp holds the model: it evaluates it and saves it at the end.
+
+    Memory: each reply is checked as it arrives and its arrays go to disk
+    (:meth:`keep`, :mod:`~flower_shard.flower.server.reply_spool`), and the mean reads them
+    back array by array in group order, so the ServerApp holds one reply at a time whatever G
+    (the trimmed mean holds G slices of 2**20 values). Resident for the run: the global model,
+    plus the outer optimizer's state (nesterov: weights and momentum; fedavg from compressed
+    replies or with the compressed downlink: the weights) and the downlink's copy; during a
+    round, the packed model being pushed, one reply, and the new model.
     """
 
     name = P.FLOWER
@@ -83,6 +95,8 @@ class FlowerTransport(Transport):
         """The compressed downlink (``downlink-compression``): what the groups hold."""
         self.rules = RobustRules(fed.outlier_factor, clip=fed.clip_outliers)
         """The robust rules, with the history of the updates they accepted."""
+        self.spool = ReplySpool()
+        """The round's valid replies, on disk from arrival to aggregation."""
         self.shares: dict[int, Share] = {}
         """Node -> how its reply enters this round's mean (set by :meth:`screen`)."""
 
@@ -94,11 +108,16 @@ class FlowerTransport(Transport):
         if self.downlink is not None:
             self.downlink.advance(self.global_arrays)
 
-    def train_records(self, arrays: ArrayRecord) -> dict[str, ArrayRecord | ConfigRecord]:
+    def open(self) -> None:
+        self.spool.open()
+
+    def close(self) -> None:
+        self.spool.close()
+
+    def train_records(self) -> dict[str, ArrayRecord | ConfigRecord]:
         if self.downlink is not None:  # per node: see node_records
             return {}
-        flat = pack({k: v.numpy() for k, v in arrays.items()})
-        return {P.ARRAYS: ArrayRecord({P.PACKED: Array(flat)})}
+        return {P.ARRAYS: ArrayRecord({P.PACKED: Array(pack(self.global_arrays))})}
 
     def node_records(self, node: int) -> tuple[dict[str, ArrayRecord], dict]:
         """Compressed downlink: the change of the model the node holds, or a snapshot."""
@@ -118,15 +137,20 @@ class FlowerTransport(Transport):
             return D.compressed_delta(content, self.spec, t.compression, t.compression_chunk)
         return D.packed_weights(content, self.spec)
 
+    def keep(self, reply: R.TrainReply) -> R.TrainReply:
+        """The reply's size taken now, its arrays written to the round's spool (the message
+        and its arrays are then dropped)."""
+        payload = reply.payload
+        norms = self._norms(payload.arrays)
+        spooled = self.spool.keep(f"node-{reply.node}", payload.arrays)
+        return replace(reply, payload=replace(payload, arrays=spooled, norms=norms))
+
     def screen(self, ok: list[R.TrainReply]) -> dict[int, str]:
         """The robust rules on the valid replies: the ones they leave out, with the reason;
         the weight (capped) and clipping of the others are kept for :meth:`aggregate`."""
         if self.downlink is not None:
             self.downlink.acknowledge(r.node for r in ok)
-        if self.compressed:
-            norms = [delta_norms(r.payload.arrays[D.DELTA]) for r in ok]
-        else:
-            norms = update_norms([r.payload.arrays for r in ok], self.reference())
+        norms = [r.payload.norms or self._norms(r.payload.arrays) for r in ok]
         updates = [Update(float(r.num_tokens), r.steps, n.l2, n.linf) for r, n in zip(ok, norms)]
         decision = self.rules.judge(updates)
         for i, note in decision.notes.items():
@@ -146,35 +170,53 @@ class FlowerTransport(Transport):
         nbytes = received // len(ok) if ok else 0
         if not commit:
             return Aggregate(None, 0.0, nbytes)
+        import torch
+
         start = time.perf_counter()
         shares = [self.shares.get(r.node) or Share(float(r.num_tokens)) for r in ok]
         models = [self._clipped(r, s) for r, s in zip(ok, shares)]
         weights = [s.weight for s in shares]
+        order = [D.DELTA] if self.compressed else self.order
         if self.fed.aggregation == TRIMMED_MEAN:
-            mean = trimmed_mean(models, weights, self.fed.trim_fraction)
+            flat = trimmed_mean_flat(models, weights, self.fed.trim_fraction, order)
         else:
-            mean = weighted_mean(models, weights)
+            flat = weighted_mean_flat(models, weights, order)
+        del models
+        self.spool.clear()
         if self.compressed:
             # The wire order is sorted by name; the outer optimizer's flat order is self.order.
-            delta = flatten(D.delta_arrays(mean[D.DELTA], self.spec), self.order)
+            delta = flatten(D.delta_arrays(flat, self.spec), self.order)
             new = unflatten(self.outer.apply(delta), self.global_arrays, self.order)
         elif self.downlink is not None:  # the groups started from the model they hold
-            delta = flatten(self.reference(), self.order) - flatten(mean, self.order)
+            delta = flatten(self.reference(), self.order) - torch.from_numpy(flat)
             new = unflatten(self.outer.apply(delta), self.global_arrays, self.order)
         else:
-            new = unflatten(self.outer.step(flatten(mean, self.order)), mean, self.order)
+            mean = torch.from_numpy(flat)
+            stepped = self.outer.step(mean)
+            # fedavg gives the mean itself back: the new model is views of it, not a copy
+            new = (
+                unflatten_flat(flat, self.spec, self.order)
+                if stepped is mean
+                else unflatten(stepped, self.global_arrays, self.order)
+            )
         self.global_arrays = new
         decode_s = sum(r.payload.decode_s for r in ok)
         return Aggregate(new, decode_s + time.perf_counter() - start, nbytes)
 
-    def _clipped(self, reply: R.TrainReply, share: Share) -> dict[str, np.ndarray]:
-        """The reply's arrays, with its update clipped where the rules said so."""
+    def _clipped(self, reply: R.TrainReply, share: Share) -> Mapping[str, np.ndarray]:
+        """The reply's arrays, with its update clipped where the rules said so (computed as
+        the mean reads them)."""
         arrays = reply.payload.arrays
         if share.scale == 1.0 and share.bound is None:
             return arrays
         if self.compressed:
-            return {D.DELTA: clip_delta(arrays[D.DELTA], share.scale, share.bound)}
+            return LazyArrays([D.DELTA], lambda k: clip_delta(arrays[k], share.scale, share.bound))
         return clip_update(arrays, self.reference(), share.scale, share.bound)
+
+    def _norms(self, arrays: Mapping[str, np.ndarray]) -> Norms:
+        if self.compressed:
+            return delta_norms(arrays[D.DELTA])
+        return update_norms([arrays], self.reference())[0]
 
     def final_weights(self, messenger: Messenger) -> dict[str, np.ndarray] | None:
         """The server's own global weights."""
