@@ -83,19 +83,20 @@ def raw_round_trip(nbytes: int) -> float:
     return seconds
 
 
-def round_trips(transport: str, model: str, rounds: int) -> dict:
-    """One deployment run; the exchange seconds of rounds 2.. and every role's peak memory."""
+def round_trips(transport: str, model: str, rounds: int, groups: int = 1, ranks: int = 2) -> dict:
+    """One deployment run of ``groups`` nodes of ``ranks`` ranks; the exchange seconds of
+    rounds 2.. and every role's peak memory."""
     with (
         tempfile.TemporaryDirectory() as work,
         PeakSampler(interval=0.1) as sampler,
-        LocalDeployment(work, num_nodes=1, nproc_per_group=2) as dep,
+        LocalDeployment(work, num_nodes=groups, nproc_per_group=ranks) as dep,
     ):
         out = Path(work, "out")
         config = {
             P.OUT_DIR: str(out),
             P.NUM_SERVER_ROUNDS: rounds,
             P.LOCAL_STEPS: 1,
-            P.MIN_GROUPS: 1,
+            P.MIN_GROUPS: groups,
             P.TRANSPORT: transport,
             "model": model,
             "seq-len": 16,
@@ -140,6 +141,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="flower,streaming")
     p.add_argument("--models", default="small,base")
+    p.add_argument("--groups", default="1", help="G values, comma-separated (one node each)")
+    p.add_argument("--ranks", type=int, default=2, help="K: ranks per group")
     p.add_argument("--exchange-only", action="store_true", help="run bench/exchange.py instead")
     p.add_argument("--out", default=str(HERE / "results" / "transfer.json"))
     args, rest = p.parse_known_args()
@@ -151,40 +154,49 @@ def main() -> None:
         return
     report: dict = {}
     for model in args.models.split(","):
-        nbytes = model_bytes(model)
-        sides: dict[str, list[float]] = {"raw": []}
-        peaks: dict[str, dict] = {}
-        for rep in range(args.repeats):
-            for transport in args.transports.split(","):
-                got = round_trips(transport, model, args.rounds)
-                sides.setdefault(transport, []).extend(got["exchange_s"])
-                peaks[transport] = {
-                    k: max(v, peaks.get(transport, {}).get(k, 0)) for k, v in got["peaks"].items()
-                }
-                sides["raw"] += [raw_round_trip(nbytes) for _ in got["exchange_s"]]
-                print(
-                    f"{model} repeat {rep + 1} {transport}: "
-                    + " ".join(f"{x:.2f}" for x in got["exchange_s"])
-                    + " s",
-                    flush=True,
-                )
-        raw = statistics.median(sides["raw"])
-        report[model] = {
-            "model_bytes": nbytes,
-            "raw_tcp_s": spread(sides["raw"]),
-            "transports": {
-                t: {
-                    "exchange_s": spread(v),
-                    "ratio": spread([x / raw for x in v]),
-                    "peak_bytes": peaks[t],
-                }
-                for t, v in sides.items()
-                if t != "raw"
-            },
-        }
-        print_model(model, report[model])
+        for groups in (int(g) for g in args.groups.split(",")):
+            key = model if groups == 1 else f"{model} G={groups}"
+            report[key] = measure(model, groups, args)
+            print_model(key, report[key])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def measure(model: str, groups: int, args: argparse.Namespace) -> dict:
+    """Every transport's exchange times and peaks for one model and G, raw TCP beside them."""
+    nbytes = model_bytes(model)
+    sides: dict[str, list[float]] = {"raw": []}
+    peaks: dict[str, dict] = {}
+    for rep in range(args.repeats):
+        for transport in args.transports.split(","):
+            got = round_trips(transport, model, args.rounds, groups, args.ranks)
+            sides.setdefault(transport, []).extend(got["exchange_s"])
+            peaks[transport] = {
+                k: max(v, peaks.get(transport, {}).get(k, 0)) for k, v in got["peaks"].items()
+            }
+            # G groups' weights cross each way: G round trips of the model side by side.
+            sides["raw"] += [raw_round_trip(nbytes * groups) for _ in got["exchange_s"]]
+            print(
+                f"{model} G={groups} repeat {rep + 1} {transport}: "
+                + " ".join(f"{x:.2f}" for x in got["exchange_s"])
+                + " s",
+                flush=True,
+            )
+    raw = statistics.median(sides["raw"])
+    return {
+        "model_bytes": nbytes,
+        "groups": groups,
+        "raw_tcp_s": spread(sides["raw"]),
+        "transports": {
+            t: {
+                "exchange_s": spread(v),
+                "ratio": spread([x / raw for x in v]),
+                "peak_bytes": peaks[t],
+            }
+            for t, v in sides.items()
+            if t != "raw"
+        },
+    }
 
 
 def print_model(model: str, r: dict) -> None:
