@@ -143,9 +143,14 @@ class SiteDeployment(LocalDeployment):
         return self.net.prefix(node) + ["env", "GLOO_SOCKET_IFNAME=lo"]
 
 
-def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
-    """One FL+FSDP run through Flower (flower transport) on the sites; metrics as for torchrun."""
-    out = work / f"flower_t{cfg.local_steps}_{cfg.compression}"
+def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path, transport: str) -> dict:
+    """One FL+FSDP run through Flower on the sites (``transport`` flower: the weights in Flower
+    Messages; streaming: every rank streams its shard to an aggregator beside the ServerApp in
+    site 0, over the same slow link); metrics as for torchrun."""
+    out = work / f"{transport}_t{cfg.local_steps}_{cfg.compression}"
+    streaming = (
+        {"dataplane-host": dep.host, "dataplane-insecure": True} if transport == P.STREAMING else {}
+    )
     before = dep.net.site_bytes()
     start = time.perf_counter()
     summary = dep.run(
@@ -153,7 +158,7 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
             P.NUM_SERVER_ROUNDS: cfg.rounds,
             P.LOCAL_STEPS: cfg.local_steps,
             P.OUT_DIR: str(out),
-            P.TRANSPORT: "flower",
+            P.TRANSPORT: transport,
             P.MIN_GROUPS: dep.num_nodes,
             P.EVAL_EVERY: cfg.eval_every,
             P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
@@ -165,11 +170,12 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path) -> dict:
             "eval-sequences": cfg.eval_sequences,
             "compression": cfg.compression,
             "compression-chunk": cfg.compression_chunk,
-        },
+        }
+        | streaming,
         timeout=3600,
     )
     if summary[P.S_STATUS] != P.STATUS_OK:
-        raise RuntimeError(f"flower run failed: {summary.get('error')}")
+        raise RuntimeError(f"{transport} run failed: {summary.get('error')}")
     wall = time.perf_counter() - start
     after = dep.net.site_bytes()
     return {
@@ -238,7 +244,7 @@ def make_configs(
     ts: list[int],
     steps: int,
     hsdp: bool,
-    flower: bool = False,
+    deployed: tuple[str, ...] = (),
     compressions: tuple[str, ...] = (),
     compress_flower: bool = True,
     fsdp: bool = True,
@@ -250,7 +256,9 @@ def make_configs(
     FL runs get twice the steps: they are still training at the baseline's wall-clock budget.
     Each of ``compressions`` (bf16, int8) adds a copy of every FL configuration that
     compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``, unless
-    ``compress_flower`` is False).
+    ``compress_flower`` is False). Each transport of ``deployed`` (flower, streaming) adds
+    every FL+FSDP configuration run through a real Flower deployment with that transport,
+    named ``fl-fsdp-<transport> T=4``.
     """
     kinds = ([("fsdp", 1, 1)] if fsdp else []) + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -286,12 +294,12 @@ def make_configs(
             )
             for t in ts
         ]
-        if flower and kind == "fsdp":
+        if kind == "fsdp":
             out += [
-                (f"fl-fsdp-flower T={t}", dataclasses.replace(cfg, sharding="fsdp"))
-                for name, cfg in out
+                (f"fl-fsdp-{transport} T={cfg.local_steps}", cfg)
+                for transport in deployed
+                for name, cfg in list(out)
                 if name.startswith("fl-fsdp T=")
-                for t in [cfg.local_steps]
             ]
     for c in compressions:
         out += [
@@ -299,9 +307,14 @@ def make_configs(
             for name, cfg in list(out)
             if name.startswith("fl-")
             and "+" not in name
-            and (compress_flower or "flower" not in name)
+            and (compress_flower or not deployed_transport(name))
         ]
     return out
+
+
+def deployed_transport(name: str) -> str | None:
+    """The transport of a configuration run through a Flower deployment, from its name."""
+    return next((t for t in (P.FLOWER, P.STREAMING) if f"-{t}" in name), None)
 
 
 def summarise(run: dict, tokens_per_step: int) -> dict:
@@ -407,6 +420,12 @@ def main() -> None:
         help="also FL+FSDP through a real Flower deployment (flower transport) across the sites",
     )
     p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="also FL+FSDP through a real Flower deployment with the streaming transport (its "
+        "aggregator in site 0, beside the ServerApp)",
+    )
+    p.add_argument(
         "--compression",
         default="",
         help="comma-separated bf16,int8: also run every FL configuration with its exchange "
@@ -436,6 +455,7 @@ def main() -> None:
     if not available():
         raise SystemExit("multitier: needs root and `ip netns` (network namespaces) on Linux")
     args.hsdp = args.hsdp or args.hsdp_only
+    deployed = tuple(t for t, on in ((P.FLOWER, args.flower), (P.STREAMING, args.streaming)) if on)
     rates = [float(r) for r in args.rates_mbit.split(",")]
     ts = [int(t) for t in args.local_steps.split(",")]
     k = args.ranks_per_site
@@ -462,7 +482,7 @@ def main() -> None:
             samples: dict[str, list[dict]] = {}
             with EmulatedNetwork(2, rate) as net, contextlib.ExitStack() as stack:
                 dep = None
-                if args.flower:
+                if args.flower or args.streaming:
                     dep = stack.enter_context(SiteDeployment(net, work / f"flower{rate:g}", k))
                 for rep in range(args.repeats):
                     configs = make_configs(
@@ -471,7 +491,7 @@ def main() -> None:
                         ts,
                         args.steps,
                         args.hsdp,
-                        args.flower,
+                        deployed,
                         compressions,
                         not args.no_flower_compression,
                         fsdp=not args.hsdp_only,
@@ -479,8 +499,8 @@ def main() -> None:
                     if rep % 2:
                         configs.reverse()
                     for name, cfg in configs:
-                        if "flower" in name:
-                            run = run_flower(dep, cfg, work)
+                        if transport := deployed_transport(name):
+                            run = run_flower(dep, cfg, work, transport)
                         else:
                             run = run_config(net, cfg, data, work)
                         s = summarise(run, tokens_per_step)
@@ -611,7 +631,7 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
         if name.startswith("fl-"):
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
-        if name.startswith("fl-") and "flower" not in name:  # the model prices collectives
+        if name.startswith("fl-") and not deployed_transport(name):  # it prices collectives
             t = int(name.split("=")[1])
             compression = name.split("+")[1].split()[0] if "+" in name else "none"
             compute = statistics.median(r["compute_s_per_step"] for r in runs)

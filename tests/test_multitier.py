@@ -26,7 +26,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     before = namespaces()
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--flower", "--compression", "int8"]
+        [sys.executable, str(BENCH), "--smoke", "--flower", "--streaming", "--compression", "int8"]
         + ["--no-flower-compression"]
         + ["--out", str(out)],
         capture_output=True,
@@ -50,6 +50,13 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     flower = entries["fl-fsdp-flower T=4"]
     assert flower["ppl_equal_tokens"] == fl["ppl_equal_tokens"]
     assert 0 < flower["inter_byte_share"]["median"] < fsdp["inter_byte_share"]["median"]
+    # The streaming transport across the same sites: every rank of site 1 streams its shard to
+    # the aggregator in site 0 over the slow link; the aggregator's float32 fold is the same
+    # mean to float32 rounding, so the same perplexity to well under 0.1%.
+    streaming = entries["fl-fsdp-streaming T=4"]
+    ppl = streaming["ppl_equal_tokens"]["median"] / fl["ppl_equal_tokens"]["median"]
+    assert abs(ppl - 1) < 1e-3, ppl
+    assert 0 < streaming["inter_byte_share"]["median"] < fsdp["inter_byte_share"]["median"]
     # int8 with error feedback: what crosses the site link shrinks as the cost model says (the
     # all-gather of 1-byte values and their scales), and the model trains the same. (Through
     # Flower: tests/test_flower.py.)
