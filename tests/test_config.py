@@ -316,7 +316,7 @@ def test_a_run_directorys_saved_config_is_a_config_file(tmp_path):
         ("lr = nan\n", "--lr must be"),
         ("lr = \n", "not valid TOML"),
         ("lr = [1, 2]\n", "lr must be a single value"),
-        ('seed = 1.5\n', "--seed must be"),
+        ("seed = 1.5\n", "--seed must be"),
     ],
 )
 def test_a_bad_config_file_fails_in_one_line(tmp_path, text, message):
