@@ -145,6 +145,11 @@ class FederationConfig:
                 f"round-seconds {self.round_seconds} must be below round-timeout "
                 f"{self.round_timeout}, or every round would time out"
             )
+        if self.train.outer_fragments > 1 or self.train.outer_overlap:
+            raise ConfigError(
+                "outer-fragments and outer-overlap run in the one-job driver (`flower-shard "
+                "train`), not yet through Flower: drop them from the run config"
+            )
         check_address("collective-address", self.collective_address)
         self._validate_robust()
         if self.transport == P.STREAMING:

@@ -73,6 +73,15 @@ class TrainConfig:
     error_feedback: bool = True
     """Carry what compression lost in one round into the next (per group); no effect for `none`.
     """
+    outer_fragments: int = bounded(1, 1, 1 << 16)
+    """F: sync the parameters in F fragments of consecutive layers, staggered over the round
+    (Streaming DiLoCo), so each sync moves 1/F of the model; 1 syncs them all at the round's end.
+    At most T. One-job collective runs (`flower-shard train`), FSDP, uncompressed
+    (flower_shard/runtime/streaming_sync.py)."""
+    outer_overlap: bool = False
+    """Overlap each sync with the next round's steps: send and go on, apply the result one round
+    later on top of the group's progress since (Streaming DiLoCo, one sync of delay). Same scope
+    as --outer-fragments; every checkpoint and the run's end wait for the syncs in flight."""
     model: str = "tiny"
     """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
     directory: config.json alone (built from it, initialised from the seed) or with safetensors
@@ -187,6 +196,7 @@ class TrainConfig:
                 "--compression covers the weights' pseudo-gradient, not AdamW's moments: drop "
                 "--sync-optimizer-state or use --compression none"
             )
+        self._validate_streaming_sync()
         if not self.text_column:
             raise ConfigError("--text-column must name a field of the records, got ''")
         self._validate_partition()
@@ -201,6 +211,28 @@ class TrainConfig:
                 f"--adaptive-t needs --exchange-share in (0, 1) and --min-local-steps <= "
                 f"--max-local-steps, got {share}, {low}, {high}"
             )
+
+    def _validate_streaming_sync(self) -> None:
+        """--outer-fragments and --outer-overlap with what they do not cover yet."""
+        if self.outer_fragments == 1 and not self.outer_overlap:
+            return
+        options = "--outer-fragments/--outer-overlap"
+        if self.outer_fragments > self.local_steps:
+            raise ConfigError(
+                f"--outer-fragments {self.outer_fragments} is above --local-steps "
+                f"{self.local_steps}: each fragment syncs after its own step of the round; use "
+                "at most T fragments"
+            )
+        refused = [
+            (self.groups < 2, "need --groups >= 2 (G = 1 has no outer sync)"),
+            (self.compression != C.NO_COMPRESSION, "do not compress yet: use --compression none"),
+            (self.sync_optimizer_state, "skip AdamW's moments: drop --sync-optimizer-state"),
+            (self.replicate > 1, "do not stripe HSDP's exchange yet: use --sharding fsdp"),
+            (self.adaptive_t, "hide the exchange --adaptive-t sizes T by: drop --adaptive-t"),
+        ]
+        for wrong, why in refused:
+            if wrong:
+                raise ConfigError(f"{options} {why}")
 
     def _validate_partition(self) -> None:
         """The --partition settings that depend on each other (the choice and

@@ -140,7 +140,11 @@ class GroupTrainer:
         return self.place.device
 
     def train_steps(
-        self, n: int, seconds: float | None = None, progress: tuple[int, int] | None = None
+        self,
+        n: int,
+        seconds: float | None = None,
+        progress: tuple[int, int] | None = None,
+        between: Callable[[int], None] | None = None,
     ) -> StepStats:
         """``n`` inner steps on every rank of this world.
 
@@ -148,7 +152,8 @@ class GroupTrainer:
         most ``n``. Rank 0's clock decides, broadcast after each step, so every rank of the
         group stops after the same step (FSDP needs every rank in every collective).
         ``progress`` = (rounds done, rounds in the run): the LR schedule then follows the
-        run's time, ``(done + elapsed / seconds) / rounds`` of the way through.
+        run's time, ``(done + elapsed / seconds) / rounds`` of the way through. ``between`` is
+        called on every rank with the steps done after each step (a fragmented outer sync).
         """
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
@@ -167,6 +172,8 @@ class GroupTrainer:
             done += 1
             if self.on_step is not None:
                 self.on_step(self.state.step)
+            if between is not None:
+                between(done)
             if seconds is not None:
                 clock.fill_(_elapsed(start, self.device))
                 dist.broadcast(clock, src=0)

@@ -93,6 +93,26 @@ class OuterOptimizer:
         self.weights.grad = None
         return self.weights.detach()
 
+    @torch.no_grad()
+    def step_part(self, mean: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """:meth:`step` for the values ``[start, stop)`` of the flat weights alone (one fragment
+        of a fragmented sync, :mod:`flower_shard.runtime.streaming_sync`); the rest of the state
+        is untouched. Nesterov runs torch's SGD update (dampening 0) on the slice."""
+        if self._sgd is None:
+            if self.weights is not None:
+                self.weights[start:stop].copy_(mean)
+            return mean
+        group = self._sgd.param_groups[0]
+        lr, momentum = group["lr"], group["momentum"]
+        weights = self.weights.data[start:stop]
+        grad = pseudo_gradient(weights, mean)
+        if momentum > 0:
+            buf = self.buffers()["momentum"][start:stop]
+            buf.mul_(momentum).add_(grad)
+            grad = grad.add(buf, alpha=momentum)  # nesterov
+        weights.add_(grad, alpha=-lr)
+        return weights
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """The flat state tensors themselves (global weights, nesterov's momentum), to load in
         place; empty for fedavg without tracked weights.

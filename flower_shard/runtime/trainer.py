@@ -34,6 +34,7 @@ from flower_shard.runtime.group_checkpoint import checkpoint_root
 from flower_shard.runtime.group_trainer import GroupTrainer, StepStats
 from flower_shard.runtime.outer_sync import SyncStats, build_outer_sync
 from flower_shard.runtime.placement import Placement
+from flower_shard.runtime.streaming_sync import StreamingSync
 from flower_shard.runtime.weights import full_state, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class JobTrainer:
     def __init__(self, cfg: TrainConfig, data_dir: str | Path | None = None):
         self.cfg = cfg
         self.trainer = build_job_trainer(cfg, data_dir)
+        self.streaming = None
+        if self.trainer.outer is not None and (cfg.outer_fragments > 1 or cfg.outer_overlap):
+            self.streaming = StreamingSync(
+                self.trainer.outer, self.trainer.model, cfg.outer_fragments, cfg.outer_overlap
+            )
         self.adaptive = None
         if cfg.adaptive_t and self.trainer.outer is not None:
             self.adaptive = AdaptiveT(cfg.exchange_share, cfg.min_local_steps, cfg.max_local_steps)
@@ -113,12 +119,27 @@ class JobTrainer:
                 rounds_log.close()
 
     def train_round(self, n: int | None = None) -> dict:
-        """``n`` (default T) inner steps, then the outer sync; returns the round's record."""
+        """``n`` (default T) inner steps, then the outer sync; returns the round's record.
+
+        Fragmented or overlapped (:class:`~flower_shard.runtime.streaming_sync.StreamingSync`):
+        the fragments sync between the steps; the round drains the syncs in flight when a
+        checkpoint or the run's end follows it.
+        """
         t = self.trainer
         n = self.cfg.local_steps if n is None else n
         start = time.perf_counter()
-        steps = t.train_steps(n)
-        stats = t.outer.sync() if t.outer is not None else None
+        if self.streaming is None:
+            steps = t.train_steps(n)
+            stats = t.outer.sync() if t.outer is not None else None
+        else:
+            steps = t.train_steps(n, between=partial(self.streaming.after_step, steps=n))
+            stats = self.streaming.end_round()
+            last = t.state.step >= self.cfg.total_steps
+            if last or self.cfg.checkpoint_due(t.state.round + 1):
+                drained = self.streaming.drain()
+                stats.seconds += drained.seconds
+                stats.payload_bytes += drained.payload_bytes
+                stats.sent_bytes += drained.sent_bytes
         round_s = time.perf_counter() - start
         t.state.round += 1
         return self.round_record(n, steps, stats, round_s)

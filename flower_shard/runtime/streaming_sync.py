@@ -1,0 +1,242 @@
+"""Fragmented and overlapped outer sync (Streaming DiLoCo's schedule) on the collective path.
+
+The synchronous sync (:meth:`~flower_shard.runtime.outer_sync.OuterSync.sync`) stops every group
+at the end of each round while the shards cross the slow link. Two options, alone or together,
+spread that cost and hide it behind the next steps:
+
+**Fragments** (F; Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512): the parameters
+are cut into F fragments of consecutive whole parameters with about equal numbers of values
+(the cut is made from the full shapes, so every rank of every group makes the same one).
+Fragment f syncs after inner step ``(f + 1) * T // F`` of each round, so each sync moves 1/F
+of the model and the peak load on the link drops F-fold; the last fragment syncs at the end of
+the round. Every fragment still syncs once per round, with the same outer optimizer.
+
+**Overlap** (one sync of delay: Streaming DiLoCo's overlapped communication with mixing
+alpha = 0, and the delayed outer gradients of Kale et al. 2025, arXiv 2502.12996): at a
+fragment's sync point the group sends its weights ``sent`` (an asynchronous all-reduce) and
+keeps training from them. At the fragment's next sync point, one round later, the result
+``x = Outer(mean_g sent_g)`` is there, and the group moves the fragment by what the global
+model gained over what it sent::
+
+    theta_g <- theta_g + (x - sent_g)
+
+This keeps the group's own progress of the overlapped round (``theta_g - sent_g``) on top of
+the new global weights, as if the round had started from ``x`` (its gradients were taken one
+round stale). The rebased ``theta_g`` is what the group sends next; its mean over the groups
+minus ``x`` is the mean progress of one round, the pseudo-gradient of synchronous DiLoCo, so
+the outer optimizer (fedavg or nesterov) steps as it does there. With one group and fedavg,
+``x == sent`` exactly, the correction is exactly zero and the run is bit for bit training with
+no outer sync at all.
+
+**Draining**: at the end of the run, and before each checkpoint and the evaluation of the last
+round, every fragment's pending result is applied and one synchronous sync follows, so all
+groups hold the same global model and a checkpoint holds nothing in flight (drain before
+checkpoint: a run resumes bit-exactly from any of its checkpoints, and pays one exchange that
+is not hidden per checkpoint). The evaluations of other rounds measure the groups' own models,
+which run one round ahead of the global one.
+
+Memory: two flat float32 copies of this rank's shards while a sync is in flight (what it sent,
+and the buffer being reduced), 2 M / K per rank, beside the outer optimizer's state.
+
+On failure: as :class:`~flower_shard.runtime.outer_sync.OuterSync`: a failed all-reduce raises
+when it is waited for, and in one torch job that ends the job (torchrun stops the world).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flower_shard.runtime.outer_sync import (
+    OuterSync,
+    SyncStats,
+    _flatten,
+    _unflatten_into,
+    local_view,
+)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Consecutive whole parameters that sync together."""
+
+    index: int
+    names: tuple[str, ...]
+    """The parameters' names, in the model's order."""
+    first: int
+    """Index of the first parameter in ``model.parameters()``."""
+    start: int
+    stop: int
+    """The fragment's range of this rank's flat buffer of local shards."""
+
+
+def plan_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
+    """Cut ``model``'s parameters into ``fragments`` runs of about equal full size.
+
+    Each cut falls at the parameter boundary nearest to ``total * f / fragments`` values, with at
+    least one parameter per fragment; made from full shapes, it is the same on every rank.
+    """
+    named = list(model.named_parameters())
+    if not 1 <= fragments <= len(named):
+        raise ValueError(
+            f"outer fragments must be between 1 and the model's {len(named)} parameters, "
+            f"got {fragments}"
+        )
+    full = [p.numel() for _, p in named]  # a DTensor's numel is its full size
+    cum = [0]
+    for n in full:
+        cum.append(cum[-1] + n)
+    cuts = [0]
+    for f in range(1, fragments):
+        target = cum[-1] * f / fragments
+        low, high = cuts[-1] + 1, len(named) - (fragments - f)
+        cuts.append(min(range(low, high + 1), key=lambda j: abs(cum[j] - target)))
+    cuts.append(len(named))
+    local = [0]
+    for _, p in named:
+        local.append(local[-1] + local_view(p).numel())
+    return [
+        Fragment(f, tuple(n for n, _ in named[a:b]), a, local[a], local[b])
+        for f, (a, b) in enumerate(zip(cuts, cuts[1:]))
+    ]
+
+
+@dataclass
+class _InFlight:
+    sent: torch.Tensor
+    """The fragment's weights as sent (the base of the rebase)."""
+    reduced: torch.Tensor
+    """The all-reduce's buffer: the groups' sum once ``work`` is done."""
+    work: object
+
+
+class StreamingSync:
+    """Drives an :class:`~flower_shard.runtime.outer_sync.OuterSync` fragment by fragment, each
+    sync blocking or overlapped with the next round (the algorithm: the module docstring).
+
+    The driver calls :meth:`after_step` after every inner step, :meth:`end_round` at the end of
+    each round (the round's statistics), and :meth:`drain` before a checkpoint, the last
+    evaluation and the end of the run. Uncompressed FSDP exchange with equal group weights
+    (the one-job collective driver); the config refuses the rest.
+
+    Parameters
+    ----------
+    sync
+        The outer sync whose process group, outer optimizer and shards are used.
+    model
+        The sharded model (for the fragment plan).
+    fragments
+        F: the number of fragments.
+    overlap
+        Send and go on; apply the result one round later.
+    """
+
+    def __init__(
+        self, sync: OuterSync, model: nn.Module, fragments: int = 1, overlap: bool = False
+    ):
+        self.sync, self.overlap = sync, overlap
+        self.fragments = plan_fragments(model, fragments)
+        self._in_flight: dict[int, _InFlight] = {}
+        self._synced: set[int] = set()
+        self._stats = SyncStats(0.0, 0, 0)
+
+    @property
+    def groups(self) -> int:
+        return self.sync.group_pg.size()
+
+    def due(self, fragment: Fragment, steps: int) -> int:
+        """The inner step of a round of ``steps`` after which ``fragment`` syncs."""
+        return max(1, (fragment.index + 1) * steps // len(self.fragments))
+
+    def after_step(self, done: int, steps: int) -> None:
+        """After inner step ``done`` of a round of ``steps``: sync the fragments due by now."""
+        for fragment in self.fragments:
+            if fragment.index not in self._synced and done >= self.due(fragment, steps):
+                self._sync(fragment)
+
+    def end_round(self) -> SyncStats:
+        """Sync the fragments not reached (a round that ended early); the round's statistics:
+        the seconds the steps were held up and the bytes this rank sent."""
+        for fragment in self.fragments:
+            if fragment.index not in self._synced:
+                self._sync(fragment)
+        self._synced.clear()
+        stats, self._stats = self._stats, SyncStats(0.0, 0, 0)
+        return stats
+
+    def drain(self) -> SyncStats:
+        """Apply every pending result, then one synchronous sync: all groups hold the global
+        model and nothing is in flight. Returns the drain's statistics."""
+        start = time.perf_counter()
+        for fragment in self.fragments:
+            if fragment.index in self._in_flight:
+                self._receive(fragment)
+        if len(self.fragments) == 1:
+            stats = self.sync.sync()
+        else:
+            for fragment in self.fragments:
+                self._blocking(fragment)
+            stats = self._stats
+        self._stats = SyncStats(0.0, 0, 0)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _sync(self, fragment: Fragment) -> None:
+        self._synced.add(fragment.index)
+        start = time.perf_counter()
+        if not self.overlap:
+            if len(self.fragments) == 1:
+                stats = self.sync.sync()  # exactly the synchronous sync
+                self._count(stats.payload_bytes)
+            else:
+                self._blocking(fragment)
+        else:
+            if fragment.index in self._in_flight:
+                self._receive(fragment)
+            self._send(fragment)
+        self._stats.seconds += time.perf_counter() - start
+
+    def _params(self, fragment: Fragment) -> list[torch.Tensor]:
+        return self.sync.params[fragment.first : fragment.first + len(fragment.names)]
+
+    def _count(self, payload: int) -> None:
+        g = self.groups
+        self._stats.payload_bytes += payload
+        self._stats.sent_bytes += 2 * (g - 1) * payload // g
+
+    @torch.no_grad()
+    def _blocking(self, fragment: Fragment) -> None:
+        params = self._params(fragment)
+        flat = _flatten(params)
+        self.sync.group_pg.allreduce([flat]).wait()  # SUM
+        flat.div_(self.groups)
+        _unflatten_into(self._outer_step(fragment, flat), params)
+        self._count(flat.numel() * flat.element_size())
+
+    @torch.no_grad()
+    def _send(self, fragment: Fragment) -> None:
+        sent = _flatten(self._params(fragment))
+        reduced = sent.clone()
+        work = self.sync.group_pg.allreduce([reduced])  # SUM, in the background
+        self._in_flight[fragment.index] = _InFlight(sent, reduced, work)
+        self._count(sent.numel() * sent.element_size())
+
+    @torch.no_grad()
+    def _receive(self, fragment: Fragment) -> None:
+        flight = self._in_flight.pop(fragment.index)
+        flight.work.wait()
+        mean = flight.reduced.div_(self.groups)
+        x = self._outer_step(fragment, mean)
+        offset = 0
+        for p in self._params(fragment):
+            n = p.numel()
+            p.add_((x[offset : offset + n] - flight.sent[offset : offset + n]).view_as(p))
+            offset += n
+
+    def _outer_step(self, fragment: Fragment, mean: torch.Tensor) -> torch.Tensor:
+        if len(self.fragments) == 1:
+            return self.sync.outer.step(mean)
+        return self.sync.outer.step_part(mean, fragment.start, fragment.stop)

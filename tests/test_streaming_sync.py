@@ -1,0 +1,178 @@
+"""Fragmented and overlapped outer sync (runtime/streaming_sync.py) on real torchrun groups.
+
+Exactness where it is defined: one group with overlap and fragments is bit for bit training with
+no outer sync; with two groups every sync event follows the documented rule, checked against an
+independent reference on full tensors (gathered with DTensor.full_tensor, not the sync's flat
+buffers); a run with overlap resumes bit-exactly from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import torchrun, train_cli
+from test_checkpoint import assert_same_state
+
+from flower_shard import protocol as P
+from flower_shard.config import TrainConfig
+from flower_shard.config.federation import FederationConfig
+from flower_shard.errors import ConfigError
+from flower_shard.runtime import checkpoint as C
+from flower_shard.ux import metrics as M
+
+
+def run_events(tmp_path, corpus_dir, fragments, mode, **overrides):
+    cfg = TrainConfig(local_steps=4, rounds=3, seq_len=32, batch_size=2, eval_every=0, **overrides)
+    cfg.to_json(tmp_path / "config.json")  # G = 1 with fragments is refused by validate()
+    torchrun(
+        "streaming_sync_check.py",
+        cfg.world_size,
+        tmp_path / "config.json",
+        corpus_dir,
+        fragments,
+        mode,
+        tmp_path,
+    )
+    return [torch.load(tmp_path / f"events_g{g}.pt") for g in range(cfg.groups)]
+
+
+def test_one_group_with_overlap_and_fragments_is_training_without_outer_sync(tmp_path, corpus_dir):
+    (run,) = run_events(tmp_path, corpus_dir, 2, "overlap", groups=1, nproc_per_group=2)
+    final = run["events"][-1]["after"]
+    assert len(run["events"]) == 2 * 3 + 1  # 2 fragments x 3 rounds, then the drain
+    for name, t in run["plain"].items():
+        assert torch.equal(final[name], t), name
+    assert not torch.equal(final[name], run["events"][0]["before"][name])  # it trained
+
+
+def reference_outer(kind):
+    """The outer step on full tensors, one parameter at a time (plain torch SGD for nesterov)."""
+    state = {}
+
+    def step(name, x, mean):
+        if kind == "fedavg":
+            return mean
+        if name not in state:
+            w = torch.nn.Parameter(x.clone())
+            state[name] = (w, torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True))
+        w, sgd = state[name]
+        w.grad = w.detach() - mean
+        sgd.step()
+        return w.detach().clone()
+
+    return step
+
+
+def check_rule(runs, overlap, kind):
+    """Replay every group's sync events with the documented rule on full tensors."""
+    groups = len(runs)
+    compare = torch.equal if kind == "fedavg" else (lambda a, b: torch.allclose(a, b, atol=1e-6))
+    outer = reference_outer(kind)
+    globals_ = dict(runs[0]["init"])  # every group starts from the same weights
+    sent = [{} for _ in runs]
+    fragments = runs[0]["fragments"]
+    trained_apart = False
+    for e, event in enumerate(runs[0]["events"]):
+        names = fragments[event["fragment"]] if event["fragment"] is not None else None
+        per_group = [run["events"][e] for run in runs]
+        for g, ev in enumerate(per_group):  # other fragments are untouched by this event
+            for n in ev["before"]:
+                if names is not None and n not in names:
+                    assert torch.equal(ev["after"][n], ev["before"][n]), (e, g, n)
+        for n in names or list(globals_):
+            trained_apart |= not torch.equal(per_group[0]["before"][n], per_group[-1]["before"][n])
+            if overlap:
+                if n in sent[0]:  # the last sync's result is in: rebase every group on it
+                    globals_[n] = outer(n, globals_[n], sum(s[n] for s in sent) / groups)
+                    rebased = [
+                        ev["before"][n] + (globals_[n] - sent[g][n])
+                        for g, ev in enumerate(per_group)
+                    ]
+                else:
+                    rebased = [ev["before"][n] for ev in per_group]
+                if names is None:  # the drain: one synchronous sync after the rebase
+                    globals_[n] = outer(n, globals_[n], sum(rebased) / groups)
+                    expected = [globals_[n]] * groups
+                else:
+                    expected = rebased
+                    for g in range(groups):
+                        sent[g][n] = rebased[g]
+            else:
+                mean = sum(ev["before"][n] for ev in per_group) / groups
+                globals_[n] = outer(n, globals_[n], mean)
+                expected = [globals_[n]] * groups
+            for g, ev in enumerate(per_group):
+                assert compare(ev["after"][n], expected[g]), (e, g, n)
+    assert trained_apart, "the groups never differed: the test would prove nothing"
+    final = [run["events"][-1]["after"] for run in runs]
+    for n in final[0]:
+        assert torch.equal(final[0][n], final[-1][n]), n  # the drain leaves one global model
+
+
+@pytest.mark.parametrize(
+    "fragments,mode,kind",
+    [(2, "overlap", "fedavg"), (3, "blocking", "fedavg"), (2, "overlap", "nesterov")],
+)
+def test_every_sync_event_follows_the_rule_on_full_tensors(
+    tmp_path, corpus_dir, fragments, mode, kind
+):
+    runs = run_events(
+        tmp_path, corpus_dir, fragments, mode, groups=2, nproc_per_group=1, outer=kind
+    )
+    check_rule(runs, mode == "overlap", kind)
+
+
+RUN = (
+    "--groups", "2", "--nproc-per-group", "2", "--local-steps", "2", "--rounds", "4",
+    "--seq-len", "32", "--batch-size", "2", "--outer", "nesterov", "--eval-every", "0",
+    "--checkpoint-every", "2", "--outer-fragments", "2", "--outer-overlap", "--quiet",
+)  # fmt: skip
+
+
+def test_an_overlapped_run_resumes_bit_exactly(tmp_path):
+    straight = tmp_path / "straight"
+    train_cli(straight, *RUN)
+    crashed = tmp_path / "crashed"
+    shutil.copytree(straight, crashed)
+    for g in (0, 1):  # the run died in round 3 or 4: round 2's checkpoint is the newest
+        shutil.rmtree(C.round_dir(crashed / "checkpoints" / f"group_{g}", 4))
+    resumed = tmp_path / "resumed"
+    train_cli(resumed, *RUN, "--resume", str(crashed))
+    rounds = M.read_metrics(resumed)
+    assert [r[P.ROUND] for r in rounds] == [1, 2, 3, 4]
+    assert rounds[:2] == M.read_metrics(straight)[:2]
+    for g in (0, 1):
+        assert_same_state(
+            C.round_dir(straight / "checkpoints" / f"group_{g}", 4),
+            C.round_dir(resumed / "checkpoints" / f"group_{g}", 4),
+            tmp_path,
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (dict(outer_fragments=5, local_steps=4), "--outer-fragments 5 is above --local-steps 4"),
+        (dict(outer_overlap=True, groups=1), "need --groups >= 2"),
+        (dict(outer_overlap=True, compression="int8"), "use --compression none"),
+        (dict(outer_fragments=2, sync_optimizer_state=True), "drop --sync-optimizer-state"),
+        (
+            dict(outer_overlap=True, sharding="hsdp", replicate=2, nproc_per_group=4),
+            "use --sharding fsdp",
+        ),
+        (dict(outer_fragments=2, adaptive_t=True), "drop --adaptive-t"),
+        (dict(outer_fragments=0), "--outer-fragments must be a positive integer"),
+    ],
+)
+def test_settings_it_does_not_cover_fail_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**overrides).validate()
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key,value", [("outer-overlap", True), ("outer-fragments", 2)])
+def test_a_flower_run_config_with_them_is_refused(key, value):
+    with pytest.raises(ConfigError, match="not yet through Flower"):
+        FederationConfig.from_run_config({key: value})
