@@ -95,6 +95,34 @@ def test_times_by_hand_and_c_total():
     assert fl_hsdp.inter_s == pytest.approx((1000 / 100.0) / 4)
 
 
+def test_overlap_hides_the_exchange_up_to_the_next_rounds_steps_and_fragments_split_it():
+    # The same two nodes, latency on the inter-node tier so that fragments cost F x latency.
+    net = Network(
+        ranks_per_node=4,
+        intra_node_bw=1000.0,
+        inter_node_bw=100.0,
+        intra_node_lat=0,
+        inter_node_lat=0.01,
+        inter_site_lat=0,
+    )
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    lay = Layout(world_size=8, groups=2, local_steps=4)
+    sync = predict(w, lay, net)
+    exchange = 2 * 0.5 * 1000 / 100.0 + 2 * 1 * 0.01  # 10 s of bytes, 2 ring steps of latency
+    assert sync.inter_s * 4 == pytest.approx(exchange)
+    # Overlapped, the 10.02 s exchange runs behind 4 steps of 1 + 9 s: all of it hidden.
+    hidden = predict(w, Layout(world_size=8, groups=2, local_steps=4, outer_overlap=True), net)
+    assert hidden.inter_s == 0 and hidden.extra["hidden_s"] == pytest.approx(exchange)
+    assert hidden.step_s == pytest.approx(1.0 + sync.intra_s)
+    # With T = 1 only one step of 10 s hides it: the 0.02 s residual is left.
+    one = predict(w, Layout(world_size=8, groups=2, local_steps=1, outer_overlap=True), net)
+    assert one.inter_s == pytest.approx(exchange - (1.0 + sync.intra_s))
+    # F = 4 fragments: a quarter of the bytes per burst, four times the latency, no overlap.
+    frag = predict(w, Layout(world_size=8, groups=2, local_steps=4, outer_fragments=4), net)
+    assert frag.extra["burst_bytes"] == sync.extra["burst_bytes"] / 4 == 4 * 1000 / 4
+    assert frag.inter_s * 4 == pytest.approx(10.0 + 4 * 2 * 0.01)
+
+
 def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
     w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
     # gloo runs a reduce-scatter as an all-reduce: 2 x 3/4 x 4000 B instead of 3/4 x 4000 B.

@@ -39,14 +39,29 @@ def ranked(*flags: str):
     return candidates(w, net, args.gpus, budget, max_local_steps=args.max_local_steps)
 
 
-def find(cands, sharding: str, groups: int, local_steps: int):
+def find(cands, sharding: str, groups: int, local_steps: int, overlap: bool = False):
     (c,) = [
         c
         for c in cands
-        if (c.layout.sharding, c.layout.groups, c.layout.local_steps)
-        == (sharding, groups, local_steps)
+        if (c.layout.sharding, c.layout.groups, c.layout.local_steps, c.layout.outer_overlap)
+        == (sharding, groups, local_steps, overlap)
     ]
     return c
+
+
+def test_it_prices_the_overlapped_sync_and_recommends_it_on_a_slow_link(capsys):
+    slow = [*PAPER[:-3], "--inter-site-gbps", "1", "--bf16"]
+    cands = ranked(*slow)
+    for g, t in ((16, 2), (64, 4)):
+        sync, overlap = find(cands, "fsdp", g, t), find(cands, "fsdp", g, t, overlap=True)
+        assert overlap.prediction.tokens_per_s > sync.prediction.tokens_per_s
+        # Two flat float32 copies of the rank's shard more: 8 P / K bytes.
+        extra = overlap.memory.outer_state - sync.memory.outer_state
+        assert extra == pytest.approx(8 * 8_030_261_248 / (512 // g))
+    assert all(not c.layout.outer_overlap for c in cands if c.layout.sharding == "hsdp")
+    assert cli_main(["plan", *slow]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended:"))
+    assert "--outer-overlap" in line
 
 
 def table_rows(out: str) -> list[list[str]]:

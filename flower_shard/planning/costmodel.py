@@ -27,6 +27,15 @@ outer sync, 1 for FSDP over all ranks) split that link's bandwidth. No overlap w
 communication behind compute). Step time = compute + C_intra + C_inter / T. Throughput = N x
 tokens per rank step / step time: the global batch of a group is B_local x K, not B_local x N,
 so each group makes its own progress and throughput counts all N ranks.
+
+Fragmented and overlapped outer sync (:mod:`flower_shard.runtime.streaming_sync`, FSDP and
+uncompressed): F fragments each move 1/F of the bytes, F times the latency terms, so the same
+total time, spread over the round: each burst on the link carries 1/F of the bytes
+(``extra["burst_bytes"]``, a group's bytes per fragment sync). Overlapped, a round's exchange
+runs behind the next round's T steps: ``hidden = min(exchange, T x (compute + C_intra))`` per
+round, and only the residual ``exchange - hidden`` holds the steps up. The model assumes the
+exchange does not slow the steps down (on GPUs NCCL runs on its own stream; on CPU gloo's
+thread competes with compute for cores, which the model does not price).
 """
 
 from __future__ import annotations
@@ -115,6 +124,10 @@ class Layout(Topology):
 
     local_steps: int = 1
     """T: inner steps per round; the outer sync costs 1 / T of itself per step."""
+    outer_fragments: int = 1
+    """F: the outer sync in F fragments staggered over the round."""
+    outer_overlap: bool = False
+    """The outer sync runs behind the next round's steps (one sync of delay)."""
 
 
 @dataclass(frozen=True)
@@ -208,8 +221,12 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     gather = outer_stripe_gather_bytes(w, lay)  # once a round, not overlapped
     intra += _collective_s(gather, r, bw_r, lat_r, 1) / lay.local_steps
     ring_steps = 2 if w.compression == C.NO_COMPRESSION else 1  # all-reduce vs all-gather
-    inter = _collective_s(outer_sync_bytes(w, lay), g, bw_g, lat_g, ring_steps) / lay.local_steps
+    f = lay.outer_fragments
+    exchange = f * _collective_s(outer_sync_bytes(w, lay) / f, g, bw_g, lat_g, ring_steps)
+    hidden = min(exchange, lay.local_steps * (w.compute_s + intra)) if lay.outer_overlap else 0.0
+    inter = (exchange - hidden) / lay.local_steps
     step = w.compute_s + intra + inter
+    burst = lay.group_size * outer_sync_bytes(w, lay) / f  # one group's bytes per fragment sync
     return Prediction(
         step_s=step,
         intra_s=intra,
@@ -217,7 +234,7 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         intra_bytes=sum(b.values()) + gather / lay.local_steps,
         inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
         tokens_per_s=lay.world_size * w.tokens_per_step / step,
-        extra={"bytes": b},
+        extra={"bytes": b, "exchange_s": exchange, "hidden_s": hidden, "burst_bytes": burst},
     )
 
 

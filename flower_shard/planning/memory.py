@@ -17,7 +17,8 @@ Held all the time (``persistent``):
 - AdamW ``8P/S``: ``exp_avg`` and ``exp_avg_sq``, float32, sharded like the weights;
 - the outer optimizer (G > 1), on the rank's flat shard: nesterov ``8P/S`` (the last global
   weights and SGD's momentum); fedavg nothing, or ``4P/S`` global weights with compression,
-  plus ``4P/S`` for error feedback's residual.
+  plus ``4P/S`` for error feedback's residual; with the overlapped sync, ``8P/S`` more (what the
+  rank sent and the buffer being reduced, held for a round).
 
 Then the largest of three phases, which never overlap:
 
@@ -200,14 +201,18 @@ def activation_bytes(m: ModelShape, s: StepSetup) -> float:
     return m.layers * layer + head
 
 
-def outer_state_bytes(m: ModelShape, s: StepSetup, shard: int, groups: int) -> float:
-    """The outer optimizer's flat state on one rank (nothing for G = 1)."""
+def outer_state_bytes(
+    m: ModelShape, s: StepSetup, shard: int, groups: int, overlap: bool = False
+) -> float:
+    """The outer optimizer's flat state on one rank (nothing for G = 1), with the overlapped
+    sync's two buffers in flight."""
     if groups == 1:
         return 0.0
     n = m.params / shard
     kept = 2 if s.outer == C.NESTEROV else (1 if s.compression != C.NO_COMPRESSION else 0)
     residual = 1 if s.compression != C.NO_COMPRESSION and s.error_feedback else 0
-    return 4.0 * n * (kept + residual)
+    in_flight = 2 if overlap else 0
+    return 4.0 * n * (kept + residual + in_flight)
 
 
 def payload_bytes_per_value(s: StepSetup) -> float:
@@ -235,14 +240,16 @@ def estimate(
     groups: int = 1,
     replicate: int = 1,
     reserved: float = 0.0,
+    overlap: bool = False,
 ) -> MemoryEstimate:
     """The memory of one rank that shards the model over ``shard`` ranks, in a run of
-    ``groups`` groups whose HSDP replicate degree is ``replicate``."""
+    ``groups`` groups whose HSDP replicate degree is ``replicate`` (``overlap``: the outer sync
+    overlapped with the next round)."""
     n, a = m.params / shard, s.act_bytes
     return MemoryEstimate(
         weights=4.0 * n,
         adamw=8.0 * n,
-        outer_state=outer_state_bytes(m, s, shard, groups),
+        outer_state=outer_state_bytes(m, s, shard, groups, overlap),
         activations=activation_bytes(m, s),
         logits=8.0 * s.tokens * m.vocab,
         gathered=a * (m.root_params + 2 * m.layer_params + m.vocab * m.hidden),

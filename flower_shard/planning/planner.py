@@ -42,7 +42,13 @@ class MemoryBudget:
 
     def of(self, lay: Layout) -> MemoryEstimate:
         return estimate(
-            self.shape, self.setup, lay.shard_degree, lay.groups, lay.replicate, self.reserved
+            self.shape,
+            self.setup,
+            lay.shard_degree,
+            lay.groups,
+            lay.replicate,
+            self.reserved,
+            lay.outer_overlap,
         )
 
 
@@ -80,11 +86,19 @@ def candidates(
             for t in local_steps if g > 1 else (1,):
                 if t > max_local_steps:
                     continue
-                lay = Layout(world, g, sharding, r, local_steps=t)
-                memory = budget.of(lay)
-                fits = memory.fits(budget.gpu_bytes)
-                out.append(Candidate(lay, predict(w, lay, net), memory, fits))
+                for overlap in _overlaps(w, g, sharding):
+                    lay = Layout(world, g, sharding, r, local_steps=t, outer_overlap=overlap)
+                    memory = budget.of(lay)
+                    fits = memory.fits(budget.gpu_bytes)
+                    out.append(Candidate(lay, predict(w, lay, net), memory, fits))
     return rank(out)
+
+
+def _overlaps(w: Workload, groups: int, sharding: str) -> tuple[bool, ...]:
+    """The outer sync's schedules a layout can run: overlapped too where the runtime has it
+    (groups, FSDP, uncompressed: :mod:`flower_shard.runtime.streaming_sync`)."""
+    can = groups > 1 and sharding == C.FSDP and w.compression == C.NO_COMPRESSION
+    return (False, True) if can else (False,)
 
 
 def best_baseline(cands: list[Candidate]) -> Candidate:
@@ -115,7 +129,7 @@ def recommended(cands: list[Candidate]) -> Candidate | None:
 def format_table(cands: list[Candidate], top: int = 15) -> str:
     """The ranked layouts; ``vs best G=1`` is :attr:`Candidate.speedup`."""
     rows = [
-        f"{'sharding':8s} {'G':>5s} {'K':>5s} {'R':>3s} {'T':>3s} {'tokens/s':>12s} "
+        f"{'sharding':8s} {'G':>5s} {'K':>5s} {'R':>3s} {'T':>3s} {'ovl':>3s} {'tokens/s':>12s} "
         f"{'step s':>8s} {'comm %':>7s} {'inter bytes %':>14s} {'vs best G=1':>12s} "
         f"{'mem/GPU GB':>11s} {'fits':>4s}"
     ]
@@ -123,7 +137,8 @@ def format_table(cands: list[Candidate], top: int = 15) -> str:
         lay, p = c.layout, c.prediction
         rows.append(
             f"{lay.sharding:8s} {lay.groups:5d} {lay.group_size:5d} {lay.replicate:3d} "
-            f"{lay.local_steps:3d} {p.tokens_per_s:12,.0f} {p.step_s:8.3f} "
+            f"{lay.local_steps:3d} {'yes' if lay.outer_overlap else 'no':>3s} "
+            f"{p.tokens_per_s:12,.0f} {p.step_s:8.3f} "
             f"{100 * p.comm_share:6.1f}% {100 * p.inter_byte_share:13.2f}% "
             f"{c.speedup:11.2f}x {c.memory.peak / GB:11.1f} {'yes' if c.fits else 'no':>4s}"
         )
@@ -135,7 +150,8 @@ def describe(c: Candidate) -> str:
     lay = c.layout
     r = f" R={lay.replicate}" if lay.sharding == C.HSDP else ""
     t = f" T={lay.local_steps}" if lay.groups > 1 else ""
-    return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}"
+    overlap = " --outer-overlap" if lay.outer_overlap else ""
+    return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}{overlap}"
 
 
 def summary_lines(cands: list[Candidate], gpu_gb: float) -> list[str]:
