@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,7 @@ def run_once(
     env["OMP_NUM_THREADS"] = "1"
     before = net.site_bytes()
     start = time.perf_counter()
+    meter = LinkMeter(net)
     procs = []
     for site in range(net.sites):
         cmd = net.prefix(site) + [
@@ -111,7 +113,8 @@ def run_once(
         ]
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
     try:
-        wait_all(procs, timeout_s=3600, watch=(lambda: watch(out)) if watch else None)
+        with meter:
+            wait_all(procs, timeout_s=3600, watch=(lambda: watch(out)) if watch else None)
     finally:
         for p in procs:
             p.stop()
@@ -124,7 +127,54 @@ def run_once(
         "inter_bytes": inter,
         "intra_bytes": intra,
         "wall_s": wall,
-    }
+    } | meter.figures()
+
+
+class LinkMeter:
+    """Samples the bytes each site sends over the slow link (its host end's interface counter)
+    every ``interval`` seconds in a thread: the peak rate of one site's uplink over any
+    ``window`` seconds, and the share of the samples in which some site's uplink ran at half
+    its shaped rate or more ("busy")."""
+
+    def __init__(self, net: EmulatedNetwork, interval: float = 0.1, window: float = 1.0):
+        self.paths = [Path(f"/sys/class/net/{h}/statistics/rx_bytes") for h in net.host_ends]
+        self.rate = net.rate_mbit * 1e6 / 8
+        self.interval, self.window = interval, window
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), [int(p.read_text()) for p in self.paths]))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> LinkMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def figures(self) -> dict:
+        s = self.samples
+        if len(s) < 2:
+            return {}
+
+        def rate(a, b) -> float:  # the fullest site's uplink between two samples
+            return max(y - x for x, y in zip(a[1], b[1])) / (b[0] - a[0])
+
+        steps = [rate(a, b) for a, b in zip(s, s[1:])]
+        peak, j = 0.0, 0
+        for i in range(len(s)):  # the fullest window of at least `window` seconds
+            while j < len(s) and s[j][0] - s[i][0] < self.window:
+                j += 1
+            if j == len(s):
+                break
+            peak = max(peak, rate(s[i], s[j]))
+        busy = sum(r >= 0.5 * self.rate for r in steps) / len(steps)
+        return {"peak_link_MBps": peak / 1e6, "link_busy_share": busy}
 
 
 class SiteDeployment(LocalDeployment):
@@ -248,6 +298,7 @@ def make_configs(
     compressions: tuple[str, ...] = (),
     compress_flower: bool = True,
     fsdp: bool = True,
+    overlaps: tuple[int, ...] = (),
 ) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
@@ -258,7 +309,9 @@ def make_configs(
     compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``, unless
     ``compress_flower`` is False). Each transport of ``deployed`` (flower, streaming) adds
     every FL+FSDP configuration run through a real Flower deployment with that transport,
-    named ``fl-fsdp-<transport> T=4``.
+    named ``fl-fsdp-<transport> T=4``. Each F of ``overlaps`` adds every collective FL+FSDP
+    configuration with the overlapped outer sync in F fragments (F <= T), named
+    ``fl-fsdp+ovl T=4`` (F = 1) or ``fl-fsdp+ovl+F4 T=4``.
     """
     kinds = ([("fsdp", 1, 1)] if fsdp else []) + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -301,15 +354,32 @@ def make_configs(
                 for name, cfg in list(out)
                 if name.startswith("fl-fsdp T=")
             ]
+    out += [
+        (
+            f"fl-fsdp+ovl{'' if f == 1 else f'+F{f}'} T={cfg.local_steps}",
+            dataclasses.replace(cfg, outer_overlap=True, outer_fragments=f),
+        )
+        for f in overlaps
+        for name, cfg in list(out)
+        if name.startswith("fl-fsdp T=") and f <= cfg.local_steps
+    ]
     for c in compressions:
         out += [
             (name.replace(" T=", f"+{c} T="), dataclasses.replace(cfg, compression=c))
             for name, cfg in list(out)
             if name.startswith("fl-")
-            and "+" not in name
+            and "+" not in name  # neither compressed already nor overlapped (uncompressed only)
             and (compress_flower or not deployed_transport(name))
         ]
     return out
+
+
+def variant(name: str) -> dict:
+    """What a configuration's name says about its exchange: compression, overlap, fragments."""
+    tags = name.split()[0].split("+")[1:]
+    fragments = next((int(t[1:]) for t in tags if t.startswith("F") and t[1:].isdigit()), 1)
+    compression = next((t for t in tags if t in ("bf16", "int8")), "none")
+    return {"compression": compression, "overlap": "ovl" in tags, "fragments": fragments}
 
 
 def deployed_transport(name: str) -> str | None:
@@ -343,6 +413,8 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         "evals": evals,
         "rounds": len(recs),
         "retries": run.get("retries", 0),
+        "peak_link_MBps": run.get("peak_link_MBps"),
+        "link_busy_share": run.get("link_busy_share"),
         "wall_s": run["wall_s"],  # start-up, evaluations and the final save included
     }
 
@@ -366,6 +438,8 @@ def predicted_speedup(
     t: int,
     hsdp: bool = False,
     compression: str = "none",
+    overlap: bool = False,
+    fragments: int = 1,
 ) -> float:
     net = Network(
         ranks_per_node=k,
@@ -382,7 +456,13 @@ def predicted_speedup(
         params=params, compute_s=compute_s, tokens_per_step=tokens, compression=compression
     )
     sharding, r = ("hsdp", 2) if hsdp else ("fsdp", 1)
-    fl = predict(w, Layout(2 * k, 2, sharding, r, local_steps=t), net)
+    fl = predict(
+        w,
+        Layout(
+            2 * k, 2, sharding, r, local_steps=t, outer_overlap=overlap, outer_fragments=fragments
+        ),
+        net,
+    )
     base = predict(w, Layout(2 * k, 1, sharding, r), net)
     return fl.tokens_per_s / base.tokens_per_s
 
@@ -436,6 +516,12 @@ def main() -> None:
         action="store_true",
         help="compress only the collective configurations (the smoke test: tests/test_flower.py "
         "checks compression through Flower)",
+    )
+    p.add_argument(
+        "--overlap",
+        default="",
+        help="comma-separated fragment counts, e.g. 1,4: also run every collective FL+FSDP "
+        "configuration with the overlapped outer sync in that many fragments (F <= T)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument(
@@ -495,6 +581,7 @@ def main() -> None:
                         compressions,
                         not args.no_flower_compression,
                         fsdp=not args.hsdp_only,
+                        overlaps=tuple(int(f) for f in args.overlap.split(",") if f),
                     )
                     if rep % 2:
                         configs.reverse()
@@ -593,7 +680,7 @@ def repredict(path: Path) -> None:
                 c["ranks_per_site"],
                 int(name.split("=")[1]),
                 name.startswith("fl-hsdp"),
-                name.split("+")[1].split()[0] if "+" in name else "none",
+                *variant(name).values(),
             )
     path.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
@@ -627,17 +714,29 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             "inter_bytes": med([r["inter_bytes"] for r in runs]),
             "sync_bytes_per_round": med([r["sync_bytes_per_round"] for r in runs]),
             "retries": sum(r["retries"] for r in runs),
+            "peak_link_MBps": med([r.get("peak_link_MBps") for r in runs]),
+            "link_busy_share": med([r.get("link_busy_share") for r in runs]),
         }
         if name.startswith("fl-"):
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
         if name.startswith("fl-") and not deployed_transport(name):  # it prices collectives
             t = int(name.split("=")[1])
-            compression = name.split("+")[1].split()[0] if "+" in name else "none"
+            v = variant(name)
+            compression = v["compression"]
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["compute_s_per_step"] = compute  # the model's input: --repredict reuses it
             entry["predicted_speedup"] = predicted_speedup(
-                params, compute, tokens_per_step, rate, k, t, kind == "hsdp", compression
+                params,
+                compute,
+                tokens_per_step,
+                rate,
+                k,
+                t,
+                kind == "hsdp",
+                compression,
+                v["overlap"],
+                v["fragments"],
             )
             # Every rank's outer-sync bytes cross the site link (one group per site).
             w = Workload(
@@ -667,7 +766,8 @@ def _cell(value, fmt: str, unit: str = "") -> str:
 def print_table(results: dict) -> None:
     print(
         f"\n{'rate':>9s} {'config':24s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
-        f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s}"
+        f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s} "
+        f"{'link MB/s':>9s} {'busy':>6s}"
     )
     for rate, entries in results["rates"].items():
         for name, e in entries.items():
@@ -682,6 +782,14 @@ def print_table(results: dict) -> None:
                 _cell(None if frac is None else 100 * frac, "7.0f", "%"),
                 _cell(e["ppl_equal_tokens"]["median"], "8.2f"),
                 _cell(e["ppl_at_baseline_time"]["median"], "8.2f"),
+                _cell(e.get("peak_link_MBps", {}).get("median"), "9.1f"),
+                _cell(
+                    None
+                    if e.get("link_busy_share", {}).get("median") is None
+                    else 100 * e["link_busy_share"]["median"],
+                    "5.0f",
+                    "%",
+                ),
             ]
             print(f"{float(rate):7g}Mb {name:24s} " + " ".join(cells))
 
