@@ -192,6 +192,7 @@ METHODS = (HEALTH, TRAIN, EVALUATE, GET_WEIGHTS)
 H_METHOD = "method"
 H_CONFIG = "config"
 H_HAS_ARRAYS = "has_arrays"
+H_COMMAND = "command"  # rank 0 numbers the commands it broadcasts (the abandon flags' keys)
 H_METRICS = "metrics"
 H_ERROR = "error"
 # Health reply.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flower_shard.runtime.cross_group import CrossGroup, Membership
+from flower_shard.runtime.cross_group import Abandoned, CrossGroup, Membership
 from flower_shard.runtime.outer_sync import OuterSync, SyncStats
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ def sync_or_rollback(
     *,
     vote_pg,
     weight: float | None = None,
+    abandoned: Abandoned | None = None,
 ) -> SyncOutcome:
     """The cross-group sync of every rank of the group, or, if any rank's part fails, none.
 
@@ -61,7 +62,8 @@ def sync_or_rollback(
     and sync (:meth:`OuterSync.sync`, weighted by ``weight``), then vote over ``vote_pg``. If any
     rank failed, all restore their snapshot bit for bit and drop the store connection
     (:meth:`CrossGroup.reset`), since the rendezvous may be what broke. Must be called by every
-    rank of the group.
+    rank of the group. ``abandoned``: the rendezvous and every wait give up as soon as it returns
+    True (:class:`~flower_shard.runtime.cross_group.SyncAbandoned`), and the group rolls back.
 
     Returns
     -------
@@ -71,10 +73,13 @@ def sync_or_rollback(
     """
     saved = outer.snapshot()
     stats, error = None, None
+    outer.abandoned = abandoned
     try:
-        stats = outer.sync(cross.connect(membership), weight=weight)
+        stats = outer.sync(cross.connect(membership, abandoned), weight=weight)
     except Exception as exc:  # noqa: BLE001 - a timeout, a closed connection: DistError and kin
         error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+    finally:
+        outer.abandoned = None
     if should_commit(error is None, vote_pg):
         return SyncOutcome(stats=stats)
     outer.restore(saved)

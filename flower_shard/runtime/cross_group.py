@@ -8,11 +8,43 @@ group's place in it, so a group that died is simply not part of the next round's
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+Abandoned = Callable[[], bool]
+"""Asked while a sync waits: True once the sync should be given up (a newer run's command
+arrived at the group: :class:`~flower_shard.flower.group.abandon.Abandonment`)."""
+
+POLL_S = 0.05
+"""How often a wait that can be abandoned looks at its flag."""
+
+_LEFT_BEHIND: list = []
+"""Process groups and works of abandoned syncs. Kept alive on purpose: destroying a gloo group
+joins its worker threads, which would block until the abandoned collective times out; they
+end on their own (the group's timeout) and hold only their buffers."""
+
+
+class SyncAbandoned(RuntimeError):
+    """The sync was given up while it waited for its peers (a newer run's command arrived)."""
+
+
+def wait_or_abandon(work, abandoned: Abandoned | None):
+    """Wait for a collective's ``work``; raise :class:`SyncAbandoned` as soon as ``abandoned()``
+    is True (checked every :data:`POLL_S` seconds). The collective's own error propagates."""
+    if abandoned is None:
+        return work.wait()
+    while not work.is_completed():
+        if abandoned():
+            _LEFT_BEHIND.append(work)
+            raise SyncAbandoned("a newer run's command arrived while the sync waited for its peers")
+        time.sleep(POLL_S)
+    return work.wait()
 
 
 @dataclass(frozen=True)
@@ -63,8 +95,29 @@ class CrossGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self._store: dist.TCPStore | None = None
 
-    def connect(self, membership: Membership):
-        """This round's process group (it waits up to the timeout for every peer's rank)."""
+    def connect(self, membership: Membership, abandoned: Abandoned | None = None):
+        """This round's process group (it waits up to the timeout for every peer's rank, or
+        until ``abandoned()``: then :class:`SyncAbandoned`)."""
+        if abandoned is None:
+            return self._connect(membership)
+        box: list = []
+        # The rendezvous blocks inside torch; it runs in a thread so that this one can give
+        # it up. A thread left behind ends with the rendezvous's own timeout.
+        thread = threading.Thread(
+            target=lambda: box.append(_outcome(self._connect, membership)), daemon=True
+        )
+        thread.start()
+        while thread.is_alive():
+            if abandoned():
+                _LEFT_BEHIND.append(box)  # a group it still makes stays referenced
+                raise SyncAbandoned("a newer run's command arrived during the rendezvous")
+            thread.join(POLL_S)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _connect(self, membership: Membership):
         if self._store is None:
             self._store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
         store = dist.PrefixStore(f"{membership.prefix}/shard{self.shard}", self._store)
@@ -75,3 +128,10 @@ class CrossGroup:
     def reset(self) -> None:
         """Drop the connection to the store: the next :meth:`connect` makes a new one."""
         self._store = None
+
+
+def _outcome(fn, *args) -> tuple[bool, object]:
+    try:
+        return True, fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        return False, exc

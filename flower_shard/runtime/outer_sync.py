@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from flower_shard.config import TrainConfig
 from flower_shard.config.choices import FEDAVG, NESTEROV, NO_COMPRESSION
 from flower_shard.runtime import compression as Z
+from flower_shard.runtime.cross_group import wait_or_abandon
 from flower_shard.runtime.outer_optimizer import OuterOptimizer, pseudo_gradient
 
 
@@ -104,6 +105,9 @@ class OuterSync:
             keep = kind == NESTEROV or compressed
             initial = _flatten(self.params) if keep else torch.empty(0)
         self.outer = OuterOptimizer(initial, kind, lr, momentum, track_weights=compressed)
+        self.abandoned = None
+        """While set (a callable), every wait on the cross-group group gives up as soon as it
+        returns True (:func:`~flower_shard.runtime.cross_group.wait_or_abandon`)."""
         self.feedback = None
         if compressed:
             device = self.params[0].device if self.params else None
@@ -140,7 +144,7 @@ class OuterSync:
         if scale is not None:
             flat.mul_(scale)
         if self.replicate_pg is None:
-            pg.allreduce([flat]).wait()  # SUM
+            self._wait(pg.allreduce([flat]))  # SUM
             reduced, replicate_bytes = flat.numel(), 0
         else:
             reduced, replicate_bytes = self._striped_allreduce(pg, flat)
@@ -171,7 +175,7 @@ class OuterSync:
         mine = padded[r * stripe : (r + 1) * stripe].clone()
         failed = None
         try:
-            pg.allreduce([mine]).wait()
+            self._wait(pg.allreduce([mine]))
         except Exception as exc:  # noqa: BLE001 - re-raised below
             failed = exc  # still join the all-gather: the other replicas would hang in it
         stripes = list(padded.split(stripe))
@@ -181,14 +185,16 @@ class OuterSync:
         flat.copy_(padded[: flat.numel()])
         return stripe, (replicas - 1) * stripe * flat.element_size()
 
-    @staticmethod
-    def _shares(pg, weight: float, device) -> list[float] | None:
+    def _wait(self, work) -> None:
+        wait_or_abandon(work, self.abandoned)
+
+    def _shares(self, pg, weight: float, device) -> list[float] | None:
         """Every group's ``w_g / sum w``, or None when all weights are equal (plain mean)."""
         mine = torch.tensor([float(weight)], dtype=torch.float64, device=device)
         weights = [torch.zeros_like(mine) for _ in range(pg.size())]
         # The raw ProcessGroup API also serves groups that torch.distributed has not
         # registered (the cross-world groups of the collective transport).
-        pg.allgather([weights], [mine]).wait()
+        self._wait(pg.allgather([weights], [mine]))
         weights = [w.item() for w in weights]
         if min(weights) <= 0:
             raise ValueError(f"outer sync weights must be > 0, got {weights}")
@@ -202,7 +208,7 @@ class OuterSync:
         delta = pseudo_gradient(self.outer.weights.detach(), flat)
         mine = Z.to_bytes(self.feedback.compress(delta))
         gathered = [torch.empty_like(mine) for _ in range(groups)]
-        pg.allgather([gathered], [mine]).wait()
+        self._wait(pg.allgather([gathered], [mine]))
         mean = torch.zeros_like(flat)
         for g, raw in enumerate(gathered):
             decoded = Z.decompress(

@@ -41,6 +41,7 @@ from flower_shard import protocol as P
 from flower_shard.config import ConfigError
 from flower_shard.config.choices import AUTO, DEVICES
 from flower_shard.flower import wire
+from flower_shard.flower.group.abandon import Abandonment
 from flower_shard.flower.group.worker import GroupWorker
 from flower_shard.launch.guard import die_with_agent
 
@@ -56,10 +57,13 @@ class ControlServer:
     :attr:`commands` until the main loop has run it on all ranks and set its reply.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, abandonment: Abandonment | None = None):
         import grpc
 
         self.commands: queue.Queue = queue.Queue()
+        self.abandonment = abandonment
+        self.running: tuple[int, dict] | None = None
+        """The number and configuration of the Train command the ranks are running."""
         self.status = {P.H_READY: False, P.H_RANKS: dist.get_world_size(), P.H_STEP: 0}
         # Health is one small message; the calls that carry weights are streams of frames
         # (wire.frames): no gRPC message of the model's size, one copy of it here.
@@ -99,10 +103,56 @@ class ControlServer:
             done: futures.Future = futures.Future()
             self.commands.put((method, header, arrays, done))
             del arrays  # the command holds them until it has run
+            self._abandon_if_superseded(self.running, [(method, header)])
             reply_header, reply_arrays = done.result()
             yield from wire.frames(reply_header, reply_arrays)
 
         return handle
+
+    def begin(self, number: int, command: dict) -> None:
+        """Rank 0, before the ranks run ``command``: a Train may be abandoned from now on (by a
+        call that is already queued, too)."""
+        if command[P.H_METHOD] != P.TRAIN:
+            return
+        self.running = (number, command[P.H_CONFIG])
+        with self.commands.mutex:
+            queued = [(m, h) for m, h, _, _ in self.commands.queue]
+        self._abandon_if_superseded(self.running, queued)
+
+    def end(self) -> None:
+        self.running = None
+
+    def _abandon_if_superseded(self, running, calls) -> None:
+        """Raise the running Train's abandon flag if one of ``calls`` belongs to a run that
+        supersedes it (:func:`supersedes`)."""
+        if running is None or self.abandonment is None:
+            return
+        number, config = running
+        for method, header in calls:
+            new = header.get(P.H_CONFIG)
+            if (
+                method in (P.TRAIN, P.EVALUATE)
+                and isinstance(new, dict)
+                and supersedes(new, config)
+            ):
+                log.warning(
+                    "run %s's command arrived during a sync of run %s: the sync is abandoned",
+                    new.get(P.RUN_ID),
+                    config.get(P.RUN_ID),
+                )
+                self.abandonment.raise_for(number)
+                return
+
+
+def supersedes(new: dict, running: dict) -> bool:
+    """Whether a call of run ``new`` makes the running command of run ``running`` pointless:
+    another run that resumes after a later round (a resumed run supersedes the run it resumed,
+    whose ServerApp died; a late message of that dead run never supersedes its successor)."""
+    try:
+        later = int(new.get(P.RESUME_ROUND, 0)) > int(running.get(P.RESUME_ROUND, 0))
+    except (TypeError, ValueError):
+        return False
+    return later and new.get(P.RUN_ID) != running.get(P.RUN_ID)
 
 
 def next_command(worker: GroupWorker, server: ControlServer):
@@ -140,13 +190,17 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = None
     if worker.rank == 0:
-        server = ControlServer(args.address)
+        server = ControlServer(args.address, worker.abandonment)
         server.status[P.H_READY] = True
         log.info("%d ranks serving %s", dist.get_world_size(), args.address)
+    number = 0
     while True:
         command, arrays, done = None, {}, None
         if server is not None:
             command, arrays, done = next_command(worker, server)
+            number += 1
+            command[P.H_COMMAND] = number
+            server.begin(number, command)
         box = [command]
         dist.broadcast_object_list(box, src=0, group=worker.control)
         try:
@@ -156,6 +210,8 @@ def serve(args: argparse.Namespace) -> int:
                 done.set_result(({P.H_ERROR: f"group failed: {type(exc).__name__}: {exc}"}, {}))
                 time.sleep(REPLY_GRACE_S)
             raise
+        if server is not None:
+            server.end()
         if done is not None:
             server.status[P.H_STEP] = worker.trainer.state.step if worker.trainer else 0
             done.set_result(reply)

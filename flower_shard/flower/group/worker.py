@@ -26,6 +26,7 @@ from flower_shard.config import TrainConfig
 from flower_shard.config.federation import FederationConfig, train_config_from_message
 from flower_shard.dataplane.client import DataPlaneError
 from flower_shard.flower.group import exchange
+from flower_shard.flower.group.abandon import Abandonment
 from flower_shard.flower.group.faults import inject_death, inject_metric_fault, upload_hook
 from flower_shard.flower.group.resume import GroupCheckpoints, run_key
 from flower_shard.flower.group.streaming import StreamExchange
@@ -90,6 +91,9 @@ class GroupWorker:
         self.device = init_distributed(device)
         self.rank = dist.get_rank()
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.abandonment = Abandonment()
+        self.command: int | None = None
+        """The number of the command being run (rank 0 numbers them)."""
         self.checkpoints = GroupCheckpoints(work_dir / F.CHECKPOINTS_DIR, self.control)
         self.run: GroupRun | None = None
 
@@ -164,6 +168,7 @@ class GroupWorker:
     def execute(self, command: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
         """Run one command on this rank; returns the reply's header and arrays (rank 0's)."""
         method = command[P.H_METHOD]
+        self.command = command.get(P.H_COMMAND)
         if method == P.GET_WEIGHTS:
             trainer = self.trainer
             return {}, exchange.full_weights(trainer.model) if trainer is not None else {}
@@ -243,6 +248,7 @@ class GroupWorker:
             membership(config),
             vote_pg=self.control,
             weight=steps.tokens,
+            abandoned=self.abandonment.checker(self.command) if self.command else None,
         )
         if not outcome.committed:
             return outcome.failure
