@@ -174,13 +174,9 @@ class StreamingSync:
         for fragment in self.fragments:
             if fragment.index in self._in_flight:
                 self._receive(fragment)
-        if len(self.fragments) == 1:
-            stats = self.sync.sync()
-        else:
-            for fragment in self.fragments:
-                self._blocking(fragment)
-            stats = self._stats
-        self._stats = SyncStats(0.0, 0, 0)
+        for fragment in self.fragments:
+            self._blocking(fragment)
+        stats, self._stats = self._stats, SyncStats(0.0, 0, 0)
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -188,11 +184,7 @@ class StreamingSync:
         self._synced.add(fragment.index)
         start = time.perf_counter()
         if not self.overlap:
-            if len(self.fragments) == 1:
-                stats = self.sync.sync()  # exactly the synchronous sync
-                self._count(stats.payload_bytes)
-            else:
-                self._blocking(fragment)
+            self._blocking(fragment)
         else:
             if fragment.index in self._in_flight:
                 self._receive(fragment)
@@ -209,6 +201,9 @@ class StreamingSync:
 
     @torch.no_grad()
     def _blocking(self, fragment: Fragment) -> None:
+        if len(self.fragments) == 1:  # exactly the synchronous sync
+            self._count(self.sync.sync().payload_bytes)
+            return
         params = self._params(fragment)
         flat = _flatten(params)
         self.sync.group_pg.allreduce([flat]).wait()  # SUM
