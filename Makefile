@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/flower-shard demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=30 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flower_shard tests bench
