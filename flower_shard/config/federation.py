@@ -43,6 +43,12 @@ class FederationConfig:
     (large models across sites)."""
     min_groups: int = bounded(1, 1, MAX_RANKS)
     """A round updates the global model only if at least this many groups replied validly."""
+    data_partitions: int = bounded(0, 0, MAX_RANKS)
+    """P: the parts the training data is cut into for the run, one per group. A group keeps
+    its part (and its data position and checkpoints) whoever joins or leaves; a new group takes
+    a part no group has held, else the part of the group away longest. 0: the number of groups
+    at the first round. Set it to the most groups the run will have, so that late groups get
+    data of their own (with every part held by a connected group, a new one waits)."""
     round_seconds: float = bounded(0.0, 0, MAX_SECONDS, open_hi=True)
     """Time-budgeted rounds: each group trains as many inner steps as fit in this many seconds
     (at least one, at most `max-local-steps`), reports its steps and tokens, and the
@@ -175,6 +181,12 @@ class FederationConfig:
             raise ConfigError(
                 f"aggregation {C.TRIMMED_MEAN!r} needs transport {P.FLOWER!r} (the others only "
                 "average); set aggregation = 'mean'"
+            )
+        if 0 < self.data_partitions < self.min_groups:
+            raise ConfigError(
+                f"data-partitions {self.data_partitions} < min-groups {self.min_groups}: a "
+                "round could never have enough groups (each holds its own partition); set "
+                "data-partitions >= min-groups, or 0 (the groups at the first round)"
             )
         if self.aggregation == C.TRIMMED_MEAN and self.min_groups < 3:
             raise ConfigError(

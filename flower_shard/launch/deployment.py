@@ -183,11 +183,8 @@ class LocalDeployment:
             cwd=self.work_dir,
         )
         self._wait_healthy()
-        if self.supernode_auth:
-            for i in range(self.num_nodes):
-                keys = make_supernode_keys(self.work_dir / "keys", f"node{i}")
-                self.node_ids.append(self.register_supernode(keys.public_key, name=f"node{i}"))
-                self.node_keys.append(keys)
+        for i in range(self.num_nodes):
+            self._register_key(i)
         for i in range(self.num_nodes):
             self.log(
                 f"starting node {i + 1}/{self.num_nodes}: a group of {self.nproc_per_group[i]} "
@@ -198,6 +195,30 @@ class LocalDeployment:
         for node in self.nodes:
             node.wait_group()
             node.start_supernode()
+
+    def _register_key(self, i: int) -> None:
+        """``supernode_auth``: make node ``i``'s key pair and register it with the SuperLink."""
+        if self.supernode_auth:
+            keys = make_supernode_keys(self.work_dir / "keys", f"node{i}")
+            self.node_ids.append(self.register_supernode(keys.public_key, name=f"node{i}"))
+            self.node_keys.append(keys)
+
+    def add_node(self, nproc_per_group: int, connect: bool = True) -> Node:
+        """One more node, its group started and ready (a node joining a running federation).
+        ``connect`` False leaves its SuperNode to ``node.start_supernode()``, so that it can
+        join mid-run without waiting for its group; :meth:`stop` stops it with the others."""
+        i = self.num_nodes
+        self.num_nodes += 1
+        self.nproc_per_group.append(nproc_per_group)
+        self.fault_files.append(None)
+        self._register_key(i)
+        node = Node(self._node_config(i), prefix=self.command_prefix(i))
+        self.nodes.append(node)
+        node.launch_group()
+        node.wait_group()
+        if connect:
+            node.start_supernode()
+        return node
 
     def _superlink_command(self) -> list[str]:
         cmd = [

@@ -116,7 +116,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 # The server checkpoint's JSON state, besides the round and RNG that checkpoint.save_server adds.
-HISTORY, RUN_NAME, ORDER = "history", "run_name", "order"
+HISTORY, RUN_NAME, ORDER, SLOTS = "history", "run_name", "order", "data_slots"
 
 
 def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePoint]:
@@ -147,7 +147,9 @@ def resume_point(fed: FederationConfig) -> tuple[dict[str, np.ndarray], ResumePo
     # transport whose model lives elsewhere (streaming: the aggregators' files) saved none.
     arrays = {k: arrays[k] for k in state[ORDER]} if kind.needs_initial_arrays else {}
     C.restore_rng(state["rng"])
-    point = ResumePoint(state["round"], outer, state[HISTORY], state[RUN_NAME], str(found[1]))
+    point = ResumePoint(
+        state["round"], outer, state[HISTORY], state[RUN_NAME], str(found[1]), state.get(SLOTS)
+    )
     log(INFO, "resuming %s after round %d (%s)", point.run_name, point.round, found[1])
     return arrays, point
 
@@ -214,7 +216,12 @@ def round_recorder(strategy, fed: FederationConfig, out: Path, run_name: str, lo
     def on_round(record: dict) -> None:
         if t.checkpoint_every:
             transport = strategy.transport
-            state = {HISTORY: strategy.history, RUN_NAME: run_name, ORDER: transport.order}
+            state = {
+                HISTORY: strategy.history,
+                RUN_NAME: run_name,
+                ORDER: transport.order,
+                SLOTS: strategy.slots.state_dict(),
+            }
             C.save_server(
                 out / F.CHECKPOINTS_DIR / F.SERVER_CHECKPOINTS,
                 record[P.ROUND],

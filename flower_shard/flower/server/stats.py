@@ -8,12 +8,14 @@ valid replies, the training exchange's times, the aggregation's sync figures, th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord
 
 from flower_shard import protocol as P
+from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.exchange import Times
 from flower_shard.flower.server.replies import TrainReply
 from flower_shard.flower.server.schedule import RoundPlan
@@ -231,3 +233,21 @@ class GroupFigures:
             most_steps=max(r.steps for r in ok),
             groups=sorted(shares, key=lambda g: g.group),
         )
+
+
+def evaluated(
+    server_round: int, replies: Iterable[Message], messages: Iterable[Message] = ()
+) -> tuple[MetricRecord | None, list[str]]:
+    """The mean held-out loss of the valid evaluation replies to ``messages``, and a line per
+    other one (without ``messages``: no reply is missing, none can be named)."""
+    replies = list(replies)
+    asked = R.asked_nodes(messages)
+    answered = {r.metadata.reply_to_message_id for r in replies}
+    rejected = [
+        R.reject(server_round, MessageType.EVALUATE, node, "no reply within round-timeout")
+        for mid, node in asked.items()
+        if mid not in answered
+    ]
+    losses, bad = R.check_eval_replies(server_round, replies, asked)
+    metrics = MetricRecord({P.EVAL_LOSS: sum(losses) / len(losses)}) if losses else None
+    return metrics, rejected + bad

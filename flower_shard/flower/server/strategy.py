@@ -26,8 +26,15 @@ from flower_shard import protocol as P
 from flower_shard.config.federation import FederationConfig
 from flower_shard.flower.server import replies as R
 from flower_shard.flower.server.exchange import Exchange, Messenger
+from flower_shard.flower.server.membership import DataSlots
 from flower_shard.flower.server.schedule import RoundPlan, RoundSchedule
-from flower_shard.flower.server.stats import Evaluation, RoundStats, Timing, TrainOutcome
+from flower_shard.flower.server.stats import (
+    Evaluation,
+    RoundStats,
+    Timing,
+    TrainOutcome,
+    evaluated,
+)
 from flower_shard.flower.server.transports import Transport, transport_class
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -47,6 +54,8 @@ class ResumePoint:
     """The run's identity, which keys the groups' checkpoints."""
     directory: str | None = None
     """The server checkpoint it comes from (what the transport saved beside it)."""
+    slots: dict | None = None
+    """The nodes' data partitions (:meth:`DataSlots.state_dict`; None: before they existed)."""
 
 
 class ShardedFedAvg(Strategy):
@@ -61,8 +70,9 @@ class ShardedFedAvg(Strategy):
     combined, where the model is evaluated, how it is fetched at the end) is the
     :class:`~flower_shard.flower.server.transports.base.Transport` named by ``transport``.
 
-    Each round, every member node (one group each, indexed by sorted node id) gets the run
-    config with ``round-steps`` = T, its ``group-index`` and the transport's records. Every
+    Each round, every member node (one group each) gets the run config with ``round-steps`` =
+    T, its data partition (``group-index``, kept for the run: :mod:`.membership`) and the
+    transport's records. Every
     reply is checked before use (:mod:`~flower_shard.flower.server.replies`: error replies,
     each metric's type, finiteness and range, the arrays): a bad reply, or one that does not
     come within ``round-timeout``, is rejected with its reason in the log and in the round's
@@ -87,6 +97,8 @@ class ShardedFedAvg(Strategy):
         self._sent: list[Message] = []
         """The training messages of the round in flight (configure_train's): what its replies
         answer, and what they must match."""
+        self.slots = DataSlots(fed.data_partitions)
+        """Each node's data partition, kept for the run (saved in the server checkpoint)."""
         self._ranks: dict[int, int] = {}
         """Node -> its group's size K in its valid reply of the last round (a K that changes
         from one round to the next is refused once)."""
@@ -120,7 +132,7 @@ class ShardedFedAvg(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """The mean held-out loss of the valid evaluation replies."""
-        return self._evaluated(server_round, replies)[0]
+        return evaluated(server_round, replies)[0]
 
     def summary(self) -> None:
         t, fed = self.fed.train, self.fed
@@ -167,9 +179,7 @@ class ShardedFedAvg(Strategy):
         self.transport = transport_class(self.fed.transport)(self.fed, initial)
         del initial, initial_arrays  # the transport holds the first model from here
         if resumed:
-            self.transport.load_state_dict(resumed.transport_state)
-            self.history = list(resumed.history)
-            config[P.RESUME_ROUND] = resumed.round
+            self._resume(resumed, config)
         messenger = Messenger(grid, self.fed.round_timeout, self.fed.poll_interval)
         schedule = RoundSchedule(self.fed.train, num_rounds, self.fed.round_seconds, self.history)
         # Flower's hooks take the global model as an ArrayRecord; the transports read their own
@@ -190,6 +200,13 @@ class ShardedFedAvg(Strategy):
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - began)
         return result
+
+    def _resume(self, resumed: ResumePoint, config: ConfigRecord) -> None:
+        """Continue after ``resumed``: the transport's state, the history, the data slots."""
+        self.transport.load_state_dict(resumed.transport_state)
+        self.history = list(resumed.history)
+        self.slots = DataSlots.from_state(resumed.slots, self.fed.data_partitions)
+        config[P.RESUME_ROUND] = resumed.round
 
     def _round(
         self,
@@ -273,7 +290,7 @@ class ShardedFedAvg(Strategy):
             messages = list(self.configure_evaluate(server_round, arrays, config, messenger.grid))
             log(INFO, "configure_evaluate: %d group(s)", len(messages))
             exchange = messenger.send_and_receive(messages)
-            metrics, rejected = self._evaluated(server_round, exchange.replies, messages)
+            metrics, rejected = evaluated(server_round, exchange.replies, messages)
             store = result.evaluate_metrics_clientapp
         elif evaluate_fn is not None:
             log(INFO, "Global evaluation")
@@ -300,18 +317,18 @@ class ShardedFedAvg(Strategy):
         records: dict[str, ArrayRecord | ConfigRecord],
     ) -> list[Message]:
         """One message per member node: ``config``, the node's place, the transport's keys."""
-        nodes = sorted(grid.get_node_ids())
-        members = self.transport.members(nodes)
+        slots = self.slots.assign(self.transport.members(sorted(grid.get_node_ids())), server_round)
+        members = list(slots)
         run_id = grid.run.run_id
         messages = []
         for rank, node in enumerate(members):
             cfg = ConfigRecord(dict(config))
             cfg[P.SERVER_ROUND] = server_round
-            cfg[P.GROUP_INDEX] = nodes.index(node)
-            cfg[P.NUM_GROUPS] = len(nodes)
+            cfg[P.GROUP_INDEX] = slots[node]
+            cfg[P.NUM_GROUPS] = self.slots.partitions
             cfg[P.RUN_ID] = run_id  # a new run gets a fresh trainer in the group
             extra = self.transport.node_config(
-                server_round, run_id, rank, len(members), group=nodes.index(node)
+                server_round, run_id, rank, len(members), group=slots[node]
             )
             own, keys = (
                 self.transport.node_records(node) if message_type == MessageType.TRAIN else ({}, {})
@@ -377,20 +394,3 @@ class ShardedFedAvg(Strategy):
             )
         aggregate = self.transport.aggregate(server_round, ok, committed)
         return TrainOutcome(ok, rejected, aggregate, committed)
-
-    def _evaluated(
-        self, server_round: int, replies: Iterable[Message], messages: Iterable[Message] = ()
-    ) -> tuple[MetricRecord | None, list[str]]:
-        """The mean held-out loss of the valid evaluation replies to ``messages``, and a line
-        per other one (without ``messages``: no reply is missing, none can be named)."""
-        replies = list(replies)
-        asked = R.asked_nodes(messages)
-        answered = {r.metadata.reply_to_message_id for r in replies}
-        rejected = [
-            R.reject(server_round, MessageType.EVALUATE, node, "no reply within round-timeout")
-            for mid, node in asked.items()
-            if mid not in answered
-        ]
-        losses, bad = R.check_eval_replies(server_round, replies, asked)
-        metrics = MetricRecord({P.EVAL_LOSS: sum(losses) / len(losses)}) if losses else None
-        return metrics, rejected + bad
