@@ -34,6 +34,10 @@ NUM_GROUPS = "num-groups"
 COLLECTIVE_PREFIX = "collective-prefix"
 SYNC_RANK = "sync-rank"  # collective: this group's place among the round's live groups
 SYNC_SIZE = "sync-size"  # collective: how many live groups sync this round
+# collective: the sync ranks (comma-separated) of the groups that catch up from the others
+# before this round's inner steps (they (re)join mid-run); absent: none
+SYNC_JOINERS = "sync-joiners"
+PROBE = "probe"  # a QUERY message's config: answer whether the group is up, send no weights
 RUN_ID = "run-id"  # Flower's id of the run: two runs never share a group's trainer
 RUN_NAME = "run-name"  # the run's identity (its first out-dir): keys the groups' checkpoints
 ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adaptive-t's choice)
@@ -52,6 +56,7 @@ PER_ROUND_KEYS = (
     COLLECTIVE_PREFIX,
     SYNC_RANK,
     SYNC_SIZE,
+    SYNC_JOINERS,
     ROUND_STEPS,
     ROUND_SECONDS,
     TICKET,

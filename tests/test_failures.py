@@ -218,32 +218,63 @@ def trio(tmp_path_factory):
         yield dep
 
 
-def test_collective_sync_survives_a_dead_group(trio, tmp_path):
+def test_collective_sync_survives_a_dead_group_which_then_catches_up(trio, tmp_path):
+    """Round 2's sync is abandoned by the two live groups (the third died in it); the next
+    rounds sync without the dead group until its node has restarted it; then the probe finds it
+    up, and it rejoins through the catch-up: it starts its first round back from exactly the
+    global model the others hold, and from then on all three sync. Round 2 lasts the sync
+    timeout (20 s: the live groups wait for the dead one), which the restart fits in."""
+    rounds_total = 5
     run_config = config(
         tmp_path,
         "collective",
-        **{P.MIN_GROUPS: 1, P.SYNC_TIMEOUT: 10.0, P.OUTER_OPTIMIZER: "fedavg"},
+        **{
+            P.MIN_GROUPS: 1,
+            P.SYNC_TIMEOUT: 20.0,
+            P.OUTER_OPTIMIZER: "fedavg",
+            P.NUM_SERVER_ROUNDS: rounds_total,
+        },
     )
     summary = trio.run(run_config | {"checkpoint-every": 0})
-    assert summary["status"] == "ok" and summary["rounds"] == ROUNDS
+    assert summary["status"] == "ok" and summary["rounds"] == rounds_total
     rounds = read_metrics(tmp_path)
-    assert [r["groups_ok"] for r in rounds] == [3, 0, 2]
+    ok = [r["groups_ok"] for r in rounds]
+    assert ok[:2] == [3, 0], ok
     abandoned = [r for r in rounds[1]["rejected"] if P.SYNC_ABANDONED in r]
     assert len(abandoned) == 2 and len(rounds[1]["rejected"]) == 3  # 2 live groups + the dead
-    assert [r["groups_dropped"] for r in rounds] == [0, 1, 1]
+    back = next(i for i in range(2, rounds_total) if ok[i] == 3)  # its first round back
+    assert ok[2:back] == [2] * (back - 2) and ok[back:] == [3] * (rounds_total - back), ok
+    dropped = [r["groups_dropped"] for r in rounds]
+    assert dropped == [0] + [1] * (back - 1) + [0] * (rounds_total - back), dropped
     assert rounds[-1]["eval_loss"] > 0  # evaluated by the live groups
+    assert trio.nodes[2].restarts == 1  # its node brought it back
 
     def dumped(g, rnd, stage):
         return load_file(trio.dump / f"g{g}_r{rnd}_{stage}.safetensors")
 
-    # Group indices follow the sorted node ids: find the dead one by what it left.
-    live = [g for g in range(3) if (trio.dump / f"g{g}_r3_trained.safetensors").exists()]
-    assert len(live) == 2
     assert not list(trio.dump.glob("g*_r2_synced.safetensors"))  # round 2's sync: abandoned
-    for rnd in (3,):  # the cross-group group was rebuilt from the 2 live groups
+    # The one catch-up: the dead group's, in its first round back (its partition kept).
+    caught_up = [f.name.split("_") for f in trio.dump.glob("g*_r*_caught-up.safetensors")]
+    assert [int(r[1:]) for _, r, _ in caught_up] == [back + 1], caught_up
+    joiner = int(caught_up[0][0][1:])
+    live = [g for g in (0, 1, 2) if g != joiner]
+    for rnd in range(3, back + 1):  # the cross-group group was rebuilt from the 2 live groups
         trained = [dumped(g, rnd, "trained") for g in live]
         synced = [dumped(g, rnd, "synced") for g in live]
         for k in trained[0]:
             mean = (trained[0][k] + trained[1][k]) / np.float32(2)
             assert np.array_equal(synced[0][k], mean) and np.array_equal(synced[1][k], mean), k
-    assert trio.nodes[2].restarts == 1  # its node brought it back; it sits the run out
+    # The catch-up gave the joiner exactly the model the others made in the round before.
+    caught = dumped(joiner, back + 1, "caught-up")
+    # (after round 2's abandoned sync the source holds its own trained weights: rolled back)
+    before = dumped(live[0], back, "synced" if back > 2 else "trained")
+    assert all(np.array_equal(caught[k], before[k]) for k in before)
+    # From then on the three groups hold one model, bit for bit, the mean of what they trained.
+    for rnd in range(back + 1, rounds_total + 1):
+        synced = [dumped(g, rnd, "synced") for g in (0, 1, 2)]
+        trained = [dumped(g, rnd, "trained") for g in (0, 1, 2)]
+        for k in synced[0]:
+            assert np.array_equal(synced[0][k], synced[1][k]), (rnd, k)
+            assert np.array_equal(synced[0][k], synced[2][k]), (rnd, k)
+            mean = sum(t[k].astype(np.float64) for t in trained) / 3
+            np.testing.assert_allclose(synced[0][k], mean, rtol=0, atol=1e-6)

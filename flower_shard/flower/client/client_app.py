@@ -72,5 +72,14 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """The group's full weights (the collective transport's final model)."""
+    """The group's full weights (the collective transport's final model); with ``probe`` in
+    the config only whether the group is up and ready (a dropped group's way back)."""
+    if P.CONFIG in msg.content and P.PROBE in msg.content[P.CONFIG]:
+        group = _group(context)
+        try:
+            ready = bool(group.health().get(P.H_READY))
+        finally:
+            group.close()
+        content = RecordDict({P.METRICS: MetricRecord({P.H_READY: int(ready)})})
+        return Message(content=content, reply_to=msg)
     return _forward(P.GET_WEIGHTS, msg, context)

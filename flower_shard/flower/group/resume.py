@@ -58,7 +58,9 @@ class GroupCheckpoints:
       data position);
     - a resumed run, collective transport: exactly R's, since the weights themselves come from
       it (:meth:`check_resumable` refuses the run before any rank acts if it is missing);
-    - a restarted group rejoining round r (flower transport): the newest good one before r.
+    - a restarted group rejoining round r: the newest good one before r (collective: its
+      weights are the global model only if that is r - 1's; else the group catches up from
+      the others, :mod:`~flower_shard.runtime.catch_up`).
 
     On failure: a corrupt or incomplete checkpoint is refused (logged) and the previous one is
     tried; without one the group goes on from the global weights with a fresh inner optimizer.
@@ -79,10 +81,9 @@ class GroupCheckpoints:
     def resume_point(self, config: dict) -> Path | None:
         """Rank 0: the checkpoint to load (see the class), or None."""
         resume = resume_round(config)
-        if resume == 0 and is_collective(config):  # a dropped group does not rejoin the collective
-            return None
         root = self.root_of(config)
-        wanted = (lambda r: r == resume) if is_collective(config) else (lambda r: True)
+        exact = resume and is_collective(config)  # the weights themselves come from it
+        wanted = (lambda r: r == resume) if exact else (lambda r: True)
         found = C.latest_good(
             root,
             at_most=resume or int(config[P.SERVER_ROUND]) - 1,
@@ -114,9 +115,9 @@ class GroupCheckpoints:
                 "(the weights live in the groups): resume from an earlier run directory"
             )
 
-    def load(self, config: dict, trainer: GroupTrainer) -> dict:
+    def load(self, config: dict, trainer: GroupTrainer) -> tuple[int, dict]:
         """Every rank: load what :meth:`resume_point` chose on rank 0; returns the checkpoint's
-        ``extra`` (empty without one, logged)."""
+        round and ``extra`` (0 and empty without one, logged)."""
         rank = dist.get_rank()
         box = [str(self.resume_point(config) or "")] if rank == 0 else [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
@@ -127,7 +128,7 @@ class GroupCheckpoints:
                     "with a fresh inner optimizer",
                     config[P.SERVER_ROUND],
                 )
-            return {}
+            return 0, {}
         loaded = trainer.checkpointer.load(box[0])
         if rank == 0:
             how = "resumed" if resume_round(config) else "rejoined"
@@ -138,7 +139,7 @@ class GroupCheckpoints:
                 loaded.round,
                 box[0],
             )
-        return loaded.extra
+        return loaded.round, loaded.extra
 
     def save(self, config: dict, trainer: GroupTrainer, rnd: int, extra: dict | None) -> None:
         """Every rank: checkpoint the state after round ``rnd``; the folder's and the

@@ -28,9 +28,10 @@ from flower_shard.dataplane.client import DataPlaneError
 from flower_shard.flower.group import exchange
 from flower_shard.flower.group.abandon import Abandonment
 from flower_shard.flower.group.faults import inject_death, inject_metric_fault, upload_hook
-from flower_shard.flower.group.resume import GroupCheckpoints, run_key
+from flower_shard.flower.group.resume import GroupCheckpoints, resume_round, run_key
 from flower_shard.flower.group.streaming import StreamExchange
 from flower_shard.preflight import check, prepare_for
+from flower_shard.runtime.catch_up import catch_up, parse_joiners
 from flower_shard.runtime.commit import sync_or_rollback
 from flower_shard.runtime.cross_group import CrossGroup, Membership
 from flower_shard.runtime.data_part import DataPart
@@ -64,6 +65,9 @@ class GroupRun:
     """Flower transport: the reply's weights (and compression's state)."""
     stream: StreamExchange | None = None
     """Streaming transport: this rank's link to the aggregators (its view, its encoder)."""
+    holds_global: bool = True
+    """Collective transport: the group's model is the last round's global model (False for a
+    runtime rebuilt mid-run without that round's checkpoint, until it catches up)."""
 
 
 class GroupWorker:
@@ -158,10 +162,14 @@ class GroupWorker:
         else:
             flower = exchange.FlowerExchange(cfg, self.rank, self.fault_file)
             self.run = GroupRun(key, GroupTrainer(cfg, place, data), exchange=flower)
+        rnd, resumed = int(config[P.SERVER_ROUND]), resume_round(config)
+        loaded = 0
         if self.checkpoints.due_at_start(config, cfg):
-            extra = self.checkpoints.load(config, self.run.trainer)
+            loaded, extra = self.checkpoints.load(config, self.run.trainer)
             if self.run.exchange is not None:
                 self.run.exchange.restore(extra)
+        # Mid-run, only the last round's checkpoint holds the collective's global model.
+        self.run.holds_global = rnd == 1 or bool(resumed) or loaded == rnd - 1
 
     # -- commands (run on every rank) --------------------------------------------------------
 
@@ -200,6 +208,8 @@ class GroupWorker:
         t = self.trainer
         start = time.perf_counter()
         rnd = int(config[P.SERVER_ROUND])
+        if self.run.cross is not None and (refusal := self.join(config)):
+            return {P.H_ERROR: refusal}, {}
         steps = self.train_steps(config)
         metrics = step_metrics(config, steps, t)
         arrays = {}
@@ -236,6 +246,32 @@ class GroupWorker:
             progress = (int(config[P.SERVER_ROUND]) - 1, int(config[P.NUM_SERVER_ROUNDS]))
             return self.trainer.train_steps(n, seconds=budget, progress=progress)
         return self.trainer.train_steps(n)
+
+    def join(self, config: dict) -> str | None:
+        """Collective transport, before the inner steps: take part in the catch-up of the
+        round's joiners (:mod:`~flower_shard.runtime.catch_up`); returns why this group cannot
+        train the round (it does not hold the global model), or None."""
+        joiners = parse_joiners(config.get(P.SYNC_JOINERS))
+        seat = membership(config)
+        if joiners:
+            failure = catch_up(
+                self.trainer.outer,
+                self.run.cross,
+                seat,
+                joiners,
+                vote_pg=self.control,
+                abandoned=self.abandonment.checker(self.command) if self.command else None,
+            )
+            if seat.rank in joiners and failure is None:
+                self.run.holds_global = True
+                self.dump(config, "caught-up")
+        if not self.run.holds_global:
+            return (
+                "collective: this group does not hold the global model (it restarted without "
+                "its checkpoint of the last round, or its catch-up failed); the server brings "
+                "it back through a catch-up from the other groups"
+            )
+        return None
 
     def sync(self, config: dict, steps: StepStats, metrics: dict) -> str | None:
         """Collective transport: the group's cross-group sync, all or nothing (weighted by the

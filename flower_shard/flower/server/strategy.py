@@ -254,6 +254,7 @@ class ShardedFedAvg(Strategy):
         if plan.seconds:
             per_round[P.ROUND_SECONDS] = plan.seconds
         round_config = ConfigRecord(dict(config) | per_round)
+        self.transport.admit(messenger)
         self.transport.begin_round(plan.round)
         messages = list(self.configure_train(plan.round, arrays, round_config, messenger.grid))
         budget = f"as many as fit in {plan.seconds:g} s, at most" if plan.seconds else "each"
@@ -319,6 +320,7 @@ class ShardedFedAvg(Strategy):
         """One message per member node: ``config``, the node's place, the transport's keys."""
         slots = self.slots.assign(self.transport.members(sorted(grid.get_node_ids())), server_round)
         members = list(slots)
+        self.transport.seat(members)
         run_id = grid.run.run_id
         messages = []
         for rank, node in enumerate(members):

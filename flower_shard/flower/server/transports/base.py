@@ -113,6 +113,15 @@ class Transport(ABC):
         """A round starts: its messages are about to be built (default: nothing)."""
         return None
 
+    def admit(self, messenger: Messenger) -> None:
+        """Before a round's messages: bring back the dropped groups that can rejoin (default:
+        none does)."""
+        return None
+
+    def seat(self, members: list[int]) -> None:
+        """The round's members, in the order of their messages (default: nothing to note)."""
+        return None
+
     def members(self, node_ids: list[int]) -> list[int]:
         """The connected nodes that take part in the next round (sorted)."""
         return [n for n in node_ids if n not in self.dropped]

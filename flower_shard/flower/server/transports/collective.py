@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -39,6 +39,11 @@ def host_rendezvous(address: str, timeout_s: float):
     )
 
 
+PROBE_TIMEOUT_S = 10.0
+"""How long the probe of the dropped groups waits for their answers (a group that is up answers
+at once: its ClientApp asks its control service)."""
+
+
 class CollectiveTransport(Transport):
     """Each rank all-reduces only its own shard with the ranks holding the same shard in the
     other groups (NCCL on GPU, gloo on CPU), inside one cluster.
@@ -51,16 +56,49 @@ class CollectiveTransport(Transport):
     metrics and evaluation.
 
     On failure: a group that does not answer, or fails for another reason than an abandoned
-    sync, is left out of every later round, and the others sync without it (their data parts
+    sync, is left out of the next rounds, and the others sync without it (their data parts
     stay where they were). A group that abandoned the sync (a peer died during it) kept its own
-    weights and stays in. The groups hold the model: they evaluate it on request, and at the
-    end one live group sends it (a QUERY message), checked like any reply.
+    weights and stays in. Before each round the dropped nodes still connected are probed (a
+    QUERY with ``probe``: is the group up?); those that answer ready rejoin, and so does a node
+    new to the run: the round's messages name them ``sync-joiners``, and before their inner
+    steps every member takes part in the catch-up that gives them the global model and outer
+    state (:mod:`~flower_shard.runtime.catch_up`). The groups hold the model: they evaluate it
+    on request, and at the end one live group sends it (a QUERY message), checked like any
+    reply.
     """
 
     name = P.COLLECTIVE
     groups_hold_model = True
     reply_fields = R.SYNC_FIELDS
     _store = None
+
+    alive_last: frozenset[int] = frozenset()
+    """The nodes whose group was alive at the end of the last round (held the global model)."""
+    joiners: tuple[int, ...] = ()
+    """The sync ranks of this round's members that catch up before training."""
+
+    def admit(self, messenger: Messenger) -> None:
+        """Probe the dropped nodes that are still connected; those whose group is up rejoin."""
+        candidates = sorted(self.dropped & set(messenger.node_ids()))
+        if not candidates:
+            return
+        probe = Messenger(messenger.grid, PROBE_TIMEOUT_S, messenger.poll_interval)
+        config = ConfigRecord({P.RUN_ID: messenger.run_id, P.PROBE: 1})
+        messages = [
+            Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
+            for n in candidates
+        ]
+        for reply in probe.send_and_receive(messages).replies:
+            node = reply.metadata.src_node_id
+            ready = not reply.has_error() and P.METRICS in reply.content
+            if ready and reply.content[P.METRICS].get(P.H_READY) == 1 and node in self.dropped:
+                self.dropped.discard(node)
+                log(INFO, "node %s: its group is up again; it rejoins through a catch-up", node)
+
+    def seat(self, members: list[int]) -> None:
+        """Joiners: the members that did not end the last round alive, as long as one did."""
+        held = [n in self.alive_last for n in members]
+        self.joiners = tuple(i for i, h in enumerate(held) if not h) if any(held) else ()
 
     def open(self) -> None:
         self._store = host_rendezvous(self.fed.collective_address, self.fed.round_timeout)
@@ -71,11 +109,14 @@ class CollectiveTransport(Transport):
     def node_config(
         self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
     ) -> dict:
-        return {
+        out = {
             P.SYNC_RANK: rank,
             P.SYNC_SIZE: size,
             P.COLLECTIVE_PREFIX: f"run{run_id}/round{server_round}",
         }
+        if self.joiners:
+            out[P.SYNC_JOINERS] = ",".join(str(r) for r in self.joiners)
+        return out
 
     def observe(
         self, server_round: int, asked: Iterable[int], answered: Mapping[int, Message]
@@ -87,6 +128,7 @@ class CollectiveTransport(Transport):
             for node, r in answered.items()
             if not r.has_error() or P.SYNC_ABANDONED in str(r.error.reason)
         }
+        self.alive_last = frozenset(alive)
         dead = set(asked) - alive
         if dead:
             self.dropped |= dead
