@@ -121,10 +121,10 @@ def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, tra
     for g in (0, 1):
         (deployment.dump / f"g{g}_r3_trained.safetensors").unlink(missing_ok=True)
     with pytest.raises(ServerKilled):
-        # Collective: killed between rounds. Killed mid-round, a group can still be waiting
-        # out the dead run's sync (sync-timeout) when the resumed run's sync starts.
-        dump = deployment.dump if transport != "collective" else None
-        deployment.run(config(killed, transport), on_round=kill_serverapp_after(2, dump))
+        # Killed once both groups have trained round 3: collective, as they enter its sync (the
+        # dead run's store goes with the ServerApp; a group still waiting in that sync gives it
+        # up when the resumed run's command arrives, flower/group/abandon.py, and rolls back).
+        deployment.run(config(killed, transport), on_round=kill_serverapp_after(2, deployment.dump))
     time.sleep(1)
     assert not serverapp_pids()
     saved = C.rounds(killed / "checkpoints" / "server")

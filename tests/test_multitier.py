@@ -26,7 +26,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     before = namespaces()
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--flower", "--streaming", "--compression", "int8"]
+        [sys.executable, str(BENCH), "--smoke", "--streaming", "--compression", "int8"]
         + ["--no-flower-compression", "--overlap", "2"]
         + ["--out", str(out)],
         capture_output=True,
@@ -45,11 +45,8 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert 1.0 <= ratio <= 1.6, ratio
     assert fl["predicted_speedup"] > 0 and fl["fraction_of_isolated"] > 0
     assert fl["ppl_equal_tokens"]["median"] > 1
-    # Through a real Flower deployment across the same sites: the same math, so the same
-    # global model, evaluated by the ServerApp instead of the ranks: the same perplexity.
-    flower = entries["fl-fsdp-flower T=4"]
-    assert flower["ppl_equal_tokens"] == fl["ppl_equal_tokens"]
-    assert 0 < flower["inter_byte_share"]["median"] < fsdp["inter_byte_share"]["median"]
+    # (The flower transport's leg, `--flower`, is left out of the smoke to keep CI short: the
+    # streaming leg below covers a real Flower deployment across the sites.)
     # The streaming transport across the same sites: every rank of site 1 streams its shard to
     # the aggregator in site 0 over the slow link; the aggregator's float32 fold is the same
     # mean to float32 rounding, so the same perplexity to well under 0.1%.
@@ -60,7 +57,6 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     # int8 with error feedback: what crosses the site link shrinks as the cost model says (the
     # all-gather of 1-byte values and their scales), and the model trains the same. (Through
     # Flower: tests/test_flower.py.)
-    assert "fl-fsdp-flower+int8 T=4" not in entries
     int8 = entries["fl-fsdp+int8 T=4"]
     ratio = int8["inter_bytes"]["median"] / int8["predicted_inter_bytes"]
     assert 1.0 <= ratio <= 1.6, ratio
