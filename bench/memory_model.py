@@ -175,7 +175,7 @@ def idle_rank(config_path: str) -> int:
 
     from flower_shard.config import TrainConfig
     from flower_shard.runtime.data_part import DataPart
-    from flower_shard.runtime.distributed import init_distributed, shutdown
+    from flower_shard.runtime.distributed import exit_now, init_distributed, shutdown
     from flower_shard.runtime.placement import Placement
 
     cfg = TrainConfig.from_json(config_path)
@@ -185,7 +185,7 @@ def idle_rank(config_path: str) -> int:
     path = Path(config_path).parent / RSS_FILE.format(rank=dist.get_rank())
     path.write_text(json.dumps({"vm_rss": _resident()}))
     shutdown(clean=True)
-    return 0
+    exit_now()
 
 
 def table(checks: list[Check]) -> str:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from flower_shard.config import TrainConfig
 from flower_shard.data.batches import rank_batches
 from flower_shard.data.corpus import CorpusInfo
+from flower_shard.runtime.distributed import exit_now, shutdown
 from flower_shard.runtime.evaluation import lm_loss
 from flower_shard.runtime.trainer import build_job_trainer
 
@@ -81,16 +82,18 @@ def main():
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     tokens = (int(steps) + 1) * cfg.batch_size * cfg.seq_len * cfg.world_size
     if dist.get_rank() == 0:
-        json.dump(
-            {
-                "mode": mode,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "peak_rss_mib_max_rank": rss.item(),
-            },
-            open(result, "w"),
-        )
-    dist.destroy_process_group()
+        with open(result, "w") as fh:
+            json.dump(
+                {
+                    "mode": mode,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "peak_rss_mib_max_rank": rss.item(),
+                },
+                fh,
+            )
+    shutdown(clean=True)  # a barrier first: see shutdown
+    exit_now()
 
 
 if __name__ == "__main__":

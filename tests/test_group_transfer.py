@@ -19,6 +19,7 @@ import torch.distributed as dist
 from flower_shard import protocol as P
 from flower_shard.flower import wire
 from flower_shard.flower.client.group_client import GroupClient
+from flower_shard.runtime.distributed import shutdown
 
 
 def payload(seed: int = 0) -> dict[str, np.ndarray]:
@@ -89,7 +90,7 @@ def group_service(tmp_path):
     yield address
     server.commands.put((None, None, None, None))
     server.server.stop(0)
-    dist.destroy_process_group()
+    shutdown(clean=True)
 
 
 def test_a_model_larger_than_the_message_limit_crosses_both_ways(group_service):

@@ -10,6 +10,7 @@ is still a dependency: it only moves the cycle from import time to call time.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,38 @@ def test_the_cli_and_the_planner_load_no_heavy_package(code):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
+def test_ranks_leave_the_torch_world_only_through_shutdown():
+    """A rank that destroys its process group while a peer still reads from its gloo sockets can
+    make that peer abort ("terminate called without an active exception"); ``shutdown`` holds
+    the barrier that prevents it, so no other code (product, tests, benchmarks) calls
+    ``destroy_process_group`` or closes a trainer without saying whether it ended cleanly."""
+    offenders = []
+    for path in [
+        *PACKAGE.rglob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "bench").rglob("*.py"),
+    ]:
+        if path.name in ("distributed.py", "test_layout.py"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "destroy_process_group(" in line or re.search(r"trainer\.close\(\)", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "use runtime.distributed.shutdown(clean=...):\n" + "\n".join(offenders)
+
+
+def test_ranks_that_end_cleanly_exit_without_finalization():
+    """Every rank entry point (tests/dist, bench workers, the job) that shuts down cleanly then
+    calls ``exit_now``: gloo's threads can abort a finalizing interpreter (see exit_now)."""
+    entry_points = [*(ROOT / "tests" / "dist").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    entry_points.append(PACKAGE / "launch" / "job.py")
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in entry_points
+        if re.search(r"(shutdown|close)\(clean=True\)|job\.close\(clean\)", path.read_text())
+        and "exit_now(" not in path.read_text()
+    ]
+    assert not missing, (
+        "call runtime.distributed.exit_now() after the clean shutdown: " + ", ".join(missing)
+    )

@@ -13,6 +13,7 @@ import sys
 from flower_shard import logs
 from flower_shard.config import TrainConfig
 from flower_shard.launch.guard import die_with_agent
+from flower_shard.runtime.distributed import exit_now
 from flower_shard.runtime.trainer import JobTrainer, RoundLog
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     finally:
         job.close(clean)
-    return 0
+    exit_now(0)  # see exit_now: a clean rank must not abort in the interpreter's finalization
 
 
 if __name__ == "__main__":

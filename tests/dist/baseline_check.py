@@ -18,6 +18,7 @@ from flower_shard.runtime.evaluation import lm_loss
 from flower_shard.runtime.models import build_model
 from flower_shard.runtime.schedule import warmup_cosine
 from flower_shard.runtime.trainer import build_job_trainer
+from flower_shard.runtime.distributed import exit_now
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)
@@ -99,4 +100,5 @@ if rank == 0:
         },
         f"{out}/baseline.pt",
     )
-trainer.close()
+trainer.close(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads

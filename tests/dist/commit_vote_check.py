@@ -23,6 +23,7 @@ from flower_shard.config import TrainConfig
 from flower_shard.runtime.commit import sync_or_rollback
 from flower_shard.runtime.cross_group import CrossGroup, Membership
 from flower_shard.runtime.outer_sync import build_outer_sync
+from flower_shard.runtime.distributed import exit_now, shutdown
 
 TIMEOUT_S = 3.0
 
@@ -81,5 +82,5 @@ for rnd, prefix in ((1, "round-1"), (2, "round-2")):
         "after": local_state(),
     }
 torch.save(result, f"{out}/rank_{dist.get_rank()}.pt")
-dist.barrier()
-dist.destroy_process_group()
+shutdown(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads

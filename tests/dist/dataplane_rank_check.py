@@ -20,6 +20,7 @@ from flower_shard.dataplane.rank import RankExchange
 from flower_shard.runtime.models import build_model
 from flower_shard.runtime.parallelize import parallelize
 from flower_shard.runtime.topology import Topology
+from flower_shard.runtime.distributed import exit_now, shutdown
 
 addresses, secret, first, sharding, out = sys.argv[1:6]
 first = int(first)
@@ -64,5 +65,5 @@ if dist.get_rank() == 0:
     torch.save({"mode": mode, "pulled": full_state(model)}, f"{out}/second.pt")
 else:
     full_state(model)  # every rank joins the gather
-dist.barrier()
-dist.destroy_process_group()
+shutdown(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads

@@ -15,6 +15,7 @@ from flower_shard.config import TrainConfig
 from flower_shard.runtime.models import build_model, materialize
 from flower_shard.runtime.parallelize import parallelize
 from flower_shard.runtime.trainer import build_job_trainer
+from flower_shard.runtime.distributed import exit_now
 
 cfg_path, data_dir, out = sys.argv[1:4]
 cfg = TrainConfig.from_json(cfg_path)
@@ -57,4 +58,5 @@ state["_loss"] = torch.nn.functional.cross_entropy(
     meta(input_ids=x).logits.reshape(-1, meta.config.vocab_size), y.reshape(-1)
 ).detach()
 save_from_group_leader(state, f"{out}/meta_g{g}.pt", k)
-trainer.close()
+trainer.close(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads

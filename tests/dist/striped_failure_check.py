@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from flower_shard.runtime.outer_sync import OuterSync
+from flower_shard.runtime.distributed import exit_now, shutdown
 
 
 class FailingAllreduce:
@@ -55,5 +56,5 @@ except RuntimeError as exc:
     result = f"raised: {exc}"
 with open(f"{out}/result_{dist.get_rank()}.txt", "w") as fh:
     fh.write(result)
-dist.barrier()
-dist.destroy_process_group()
+shutdown(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads
