@@ -76,8 +76,8 @@ class TrainConfig:
     outer_fragments: int = bounded(1, 1, 1 << 16)
     """F: sync the parameters in F fragments of consecutive layers, staggered over the round
     (Streaming DiLoCo), so each sync moves 1/F of the model; 1 syncs them all at the round's end.
-    At most T. One-job collective runs (`flower-shard train`), FSDP, uncompressed
-    (flower_shard/runtime/streaming_sync.py)."""
+    At most T. One-job collective runs (`flower-shard train`), FSDP or HSDP (striped), any
+    --compression (flower_shard/runtime/streaming_sync.py)."""
     outer_overlap: bool = False
     """Overlap each sync with the next round's steps: send and go on, apply the result one round
     later on top of the group's progress since (Streaming DiLoCo, one sync of delay). Same scope
@@ -225,9 +225,10 @@ class TrainConfig:
             )
         refused = [
             (self.groups < 2, "need --groups >= 2 (G = 1 has no outer sync)"),
-            (self.compression != C.NO_COMPRESSION, "do not compress yet: use --compression none"),
-            (self.sync_optimizer_state, "skip AdamW's moments: drop --sync-optimizer-state"),
-            (self.replicate > 1, "do not stripe HSDP's exchange yet: use --sharding fsdp"),
+            (
+                self.sync_optimizer_state,
+                "move weights, not AdamW's moments: drop --sync-optimizer-state",
+            ),
             (self.adaptive_t, "hide the exchange --adaptive-t sizes T by: drop --adaptive-t"),
         ]
         for wrong, why in refused:

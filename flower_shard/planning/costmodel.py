@@ -28,14 +28,14 @@ communication behind compute). Step time = compute + C_intra + C_inter / T. Thro
 tokens per rank step / step time: the global batch of a group is B_local x K, not B_local x N,
 so each group makes its own progress and throughput counts all N ranks.
 
-Fragmented and overlapped outer sync (:mod:`flower_shard.runtime.streaming_sync`, FSDP and
-uncompressed): F fragments each move 1/F of the bytes, F times the latency terms, so the same
-total time, spread over the round: each burst on the link carries 1/F of the bytes
-(``extra["burst_bytes"]``, a group's bytes per fragment sync). Overlapped, a round's exchange
-runs behind the next round's T steps: ``hidden = min(exchange, T x (compute + C_intra))`` per
-round, and only the residual ``exchange - hidden`` holds the steps up. The model assumes the
-exchange does not slow the steps down (on GPUs NCCL runs on its own stream; on CPU gloo's
-thread competes with compute for cores, which the model does not price).
+Fragmented and overlapped outer sync (:mod:`flower_shard.runtime.streaming_sync`, the exchange
+priced as above, striped or compressed): F fragments each move 1/F of the bytes, F times the
+latency terms, so the same total time, spread over the round: each burst on the link carries 1/F
+of the bytes (``extra["burst_bytes"]``, a group's bytes per fragment sync). Overlapped, a
+round's exchange runs behind the next round's T steps: ``hidden = min(exchange, T x (compute +
+C_intra))`` per round, and only the residual ``exchange - hidden`` holds the steps up. The model
+assumes the exchange does not slow the steps down (on GPUs NCCL runs on its own stream; on CPU
+gloo's thread competes with compute for cores, which the model does not price).
 """
 
 from __future__ import annotations

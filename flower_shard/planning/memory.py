@@ -202,17 +202,24 @@ def activation_bytes(m: ModelShape, s: StepSetup) -> float:
 
 
 def outer_state_bytes(
-    m: ModelShape, s: StepSetup, shard: int, groups: int, overlap: bool = False
+    m: ModelShape, s: StepSetup, shard: int, groups: int, overlap: bool = False, replicate: int = 1
 ) -> float:
     """The outer optimizer's flat state on one rank (nothing for G = 1), with the overlapped
-    sync's two buffers in flight."""
+    sync's buffers in flight: the weights as sent and the all-reduce buffer (striped over R
+    HSDP replicas: the padded copy and this replica's stripe), or, compressed, the weights as
+    sent, this rank's payload and the G payloads gathered."""
     if groups == 1:
         return 0.0
     n = m.params / shard
-    kept = 2 if s.outer == C.NESTEROV else (1 if s.compression != C.NO_COMPRESSION else 0)
-    residual = 1 if s.compression != C.NO_COMPRESSION and s.error_feedback else 0
-    in_flight = 2 if overlap else 0
-    return 4.0 * n * (kept + residual + in_flight)
+    compressed = s.compression != C.NO_COMPRESSION
+    kept = 2 if s.outer == C.NESTEROV else (1 if compressed else 0)
+    residual = 1 if compressed and s.error_feedback else 0
+    state = 4.0 * n * (kept + residual)
+    if not overlap:
+        return state
+    if compressed:
+        return state + 4.0 * n + (groups + 1) * n * payload_bytes_per_value(s)
+    return state + 4.0 * n * (2 + (1 / replicate if replicate > 1 else 0))
 
 
 def payload_bytes_per_value(s: StepSetup) -> float:
@@ -249,7 +256,7 @@ def estimate(
     return MemoryEstimate(
         weights=4.0 * n,
         adamw=8.0 * n,
-        outer_state=outer_state_bytes(m, s, shard, groups, overlap),
+        outer_state=outer_state_bytes(m, s, shard, groups, overlap, replicate),
         activations=activation_bytes(m, s),
         logits=8.0 * s.tokens * m.vocab,
         gathered=a * (m.root_params + 2 * m.layer_params + m.vocab * m.hidden),

@@ -86,7 +86,7 @@ def candidates(
             for t in local_steps if g > 1 else (1,):
                 if t > max_local_steps:
                     continue
-                for overlap in _overlaps(w, g, sharding):
+                for overlap in _overlaps(g):
                     lay = Layout(world, g, sharding, r, local_steps=t, outer_overlap=overlap)
                     memory = budget.of(lay)
                     fits = memory.fits(budget.gpu_bytes)
@@ -94,11 +94,10 @@ def candidates(
     return rank(out)
 
 
-def _overlaps(w: Workload, groups: int, sharding: str) -> tuple[bool, ...]:
-    """The outer sync's schedules a layout can run: overlapped too where the runtime has it
-    (groups, FSDP, uncompressed: :mod:`flower_shard.runtime.streaming_sync`)."""
-    can = groups > 1 and sharding == C.FSDP and w.compression == C.NO_COMPRESSION
-    return (False, True) if can else (False,)
+def _overlaps(groups: int) -> tuple[bool, ...]:
+    """The outer sync's schedules a layout can run: overlapped too where there is an outer sync
+    (G > 1; FSDP or HSDP, any compression: :mod:`flower_shard.runtime.streaming_sync`)."""
+    return (False, True) if groups > 1 else (False,)
 
 
 def best_baseline(cands: list[Candidate]) -> Candidate:

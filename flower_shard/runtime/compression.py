@@ -148,6 +148,20 @@ def from_bytes(raw: torch.Tensor, kind: str, numel: int, chunk: int) -> dict[str
     return out
 
 
+def mean_of(
+    raws: list[torch.Tensor], kind: str, numel: int, chunk: int, shares: list[float] | None = None
+) -> torch.Tensor:
+    """The mean of the groups' payloads (raw bytes, :func:`to_bytes`), decoded and added up in
+    group order so that every receiver gets the same bits; ``shares``: each group's weight
+    ``w_g / sum w`` (None: the plain mean, computed as SUM / G)."""
+    mean = None
+    for g, raw in enumerate(raws):
+        decoded = decompress(from_bytes(raw, kind, numel, chunk), kind, chunk)
+        part = decoded if shares is None else decoded * shares[g]
+        mean = part.clone() if mean is None else mean.add_(part)
+    return mean.div_(len(raws)) if shares is None else mean
+
+
 class ErrorFeedback:
     """Compresses a sender's successive deltas, carrying what each round loses to the next.
 
@@ -169,14 +183,19 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel if self.enabled else 0, device=device)
 
     @torch.no_grad()
-    def compress(self, delta: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The payload for ``delta`` (plus the residual); updates the residual."""
-        target = delta + self.residual if self.enabled else delta
+    def compress(self, delta: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
+        """The payload for ``delta`` (plus the residual); updates the residual.
+
+        ``start``: ``delta`` covers the values ``[start, start + len(delta))`` of the flat
+        deltas (one fragment of a fragmented sync), which keep their own residual."""
+        stop = start + delta.numel()
+        residual = self.residual[start:stop]
+        target = delta + residual if self.enabled else delta
         payload = compress(target, self.kind, self.chunk)
         if self.enabled:
-            self.residual.copy_(target - decompress(payload, self.kind, self.chunk))
-            if not torch.isfinite(self.residual).all():
+            residual.copy_(target - decompress(payload, self.kind, self.chunk))
+            if not torch.isfinite(residual).all():
                 # A diverged delta: its payload will be refused; do not let it poison the
                 # rounds after it (the group reloads finite global weights next round).
-                self.residual.zero_()
+                residual.zero_()
         return payload

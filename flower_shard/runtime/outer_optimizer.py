@@ -97,21 +97,30 @@ class OuterOptimizer:
     def step_part(self, mean: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """:meth:`step` for the values ``[start, stop)`` of the flat weights alone (one fragment
         of a fragmented sync, :mod:`flower_shard.runtime.streaming_sync`); the rest of the state
-        is untouched. Nesterov runs torch's SGD update (dampening 0) on the slice."""
+        is untouched."""
         if self._sgd is None:
             if self.weights is not None:
                 self.weights[start:stop].copy_(mean)
             return mean
+        return self.apply_part(pseudo_gradient(self.weights.data[start:stop], mean), start, stop)
+
+    @torch.no_grad()
+    def apply_part(self, pseudo_grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """:meth:`apply` for the values ``[start, stop)`` alone; returns that slice of the new
+        weights (a view). Nesterov runs torch's SGD update (dampening 0) on the slice."""
+        if self.weights is None:
+            raise RuntimeError("OuterOptimizer(track_weights=True) is needed to apply deltas")
+        weights = self.weights.data[start:stop]
+        if self._sgd is None:
+            return weights.sub_(pseudo_grad)
         group = self._sgd.param_groups[0]
         lr, momentum = group["lr"], group["momentum"]
-        weights = self.weights.data[start:stop]
-        grad = pseudo_gradient(weights, mean)
+        grad = pseudo_grad
         if momentum > 0:
             buf = self.buffers()["momentum"][start:stop]
             buf.mul_(momentum).add_(grad)
             grad = grad.add(buf, alpha=momentum)  # nesterov
-        weights.add_(grad, alpha=-lr)
-        return weights
+        return weights.add_(grad, alpha=-lr)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The flat state tensors themselves (global weights, nesterov's momentum), to load in

@@ -144,7 +144,7 @@ class OuterSync:
         if scale is not None:
             flat.mul_(scale)
         if self.replicate_pg is None:
-            self._wait(pg.allreduce([flat]))  # SUM
+            self.wait(pg.allreduce([flat]))  # SUM
             reduced, replicate_bytes = flat.numel(), 0
         else:
             reduced, replicate_bytes = self._striped_allreduce(pg, flat)
@@ -165,27 +165,14 @@ class OuterSync:
         )
 
     def _striped_allreduce(self, pg, flat: torch.Tensor) -> tuple[int, int]:
-        """SUM-all-reduce ``flat`` across groups in place, this replica doing its 1/R stripe
-        (zero-padded to equal stripes) and the replicas all-gathering the rest. Returns the
-        values this rank all-reduced and the bytes it sent to its replicas."""
-        r, replicas = self.replicate_pg.rank(), self.replicate_pg.size()
-        stripe = -(-flat.numel() // replicas)
-        padded = flat.new_zeros(stripe * replicas)
-        padded[: flat.numel()] = flat
-        mine = padded[r * stripe : (r + 1) * stripe].clone()
-        failed = None
-        try:
-            self._wait(pg.allreduce([mine]))
-        except Exception as exc:  # noqa: BLE001 - re-raised below
-            failed = exc  # still join the all-gather: the other replicas would hang in it
-        stripes = list(padded.split(stripe))
-        self.replicate_pg.allgather([stripes], [mine]).wait()
-        if failed is not None:
-            raise failed
-        flat.copy_(padded[: flat.numel()])
-        return stripe, (replicas - 1) * stripe * flat.element_size()
+        """SUM-all-reduce ``flat`` across groups in place, striped over the replicas. Returns
+        the values this rank all-reduced and the bytes it sent to its replicas."""
+        striped = StripedAllreduce(pg, self.replicate_pg, flat)
+        flat.copy_(striped.finish(self.wait))
+        return striped.stripe, striped.replicate_bytes
 
-    def _wait(self, work) -> None:
+    def wait(self, work) -> None:
+        """Wait for a collective on the cross-group group (given up when :attr:`abandoned`)."""
         wait_or_abandon(work, self.abandoned)
 
     def _shares(self, pg, weight: float, device) -> list[float] | None:
@@ -194,7 +181,7 @@ class OuterSync:
         weights = [torch.zeros_like(mine) for _ in range(pg.size())]
         # The raw ProcessGroup API also serves groups that torch.distributed has not
         # registered (the cross-world groups of the collective transport).
-        self._wait(pg.allgather([weights], [mine]))
+        self.wait(pg.allgather([weights], [mine]))
         weights = [w.item() for w in weights]
         if min(weights) <= 0:
             raise ValueError(f"outer sync weights must be > 0, got {weights}")
@@ -208,17 +195,8 @@ class OuterSync:
         delta = pseudo_gradient(self.outer.weights.detach(), flat)
         mine = Z.to_bytes(self.feedback.compress(delta))
         gathered = [torch.empty_like(mine) for _ in range(groups)]
-        self._wait(pg.allgather([gathered], [mine]))
-        mean = torch.zeros_like(flat)
-        for g, raw in enumerate(gathered):
-            decoded = Z.decompress(
-                Z.from_bytes(raw, self.compression, flat.numel(), self.chunk),
-                self.compression,
-                self.chunk,
-            )
-            mean.add_(decoded if shares is None else decoded * shares[g])
-        if shares is None:
-            mean.div_(groups)
+        self.wait(pg.allgather([gathered], [mine]))
+        mean = Z.mean_of(gathered, self.compression, flat.numel(), self.chunk, shares)
         _unflatten_into(self.outer.apply(mean), self.params)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
@@ -278,6 +256,46 @@ class OuterSync:
                     )
                 out[f"{name}.{key}"] = piece
         return out
+
+
+class StripedAllreduce:
+    """One striped SUM-all-reduce across groups, started at construction (HSDP).
+
+    Replica ``r`` of ``replicate_pg`` all-reduces only the r-th 1/R stripe of ``flat``
+    (zero-padded to equal stripes) across groups; :meth:`finish` waits for it and all-gathers
+    the summed stripes from the other replicas over the fast intra-group tier. ``flat`` is not
+    modified (an overlapped sync keeps it as the base of its rebase).
+    """
+
+    def __init__(self, pg, replicate_pg, flat: torch.Tensor):
+        self.replicate_pg = replicate_pg
+        self.numel = flat.numel()
+        r, replicas = replicate_pg.rank(), replicate_pg.size()
+        self.stripe = -(-flat.numel() // replicas)
+        self.padded = flat.new_zeros(self.stripe * replicas)
+        self.padded[: flat.numel()] = flat
+        self.mine = self.padded[r * self.stripe : (r + 1) * self.stripe].clone()
+        self.replicate_bytes = (replicas - 1) * self.stripe * flat.element_size()
+        self.work, self.failed = None, None
+        try:
+            self.work = pg.allreduce([self.mine])
+        except Exception as exc:  # noqa: BLE001 - raised by finish, after the all-gather
+            self.failed = exc
+
+    def finish(self, wait) -> torch.Tensor:
+        """The groups' sum of ``flat`` (a new tensor); ``wait`` waits for the cross-group work.
+        A failed all-reduce raises here, after this replica joined the all-gather: the other
+        replicas would hang in it otherwise."""
+        failed = self.failed
+        try:
+            if failed is None:
+                wait(self.work)
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            failed = exc
+        self.replicate_pg.allgather([list(self.padded.split(self.stripe))], [self.mine]).wait()
+        if failed is not None:
+            raise failed
+        return self.padded[: self.numel]
 
 
 def build_outer_sync(

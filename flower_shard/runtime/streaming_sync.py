@@ -35,8 +35,20 @@ checkpoint: a run resumes bit-exactly from any of its checkpoints, and pays one 
 is not hidden per checkpoint). The evaluations of other rounds measure the groups' own models,
 which run one round ahead of the global one.
 
-Memory: two flat float32 copies of this rank's shards while a sync is in flight (what it sent,
-and the buffer being reduced), 2 M / K per rank, beside the outer optimizer's state.
+**Exchange**: the outer sync's own. Float32 weights are SUM-all-reduced over the groups (with
+HSDP each replica all-reduces its 1/R stripe of the fragment and the replicas all-gather the
+rest when the result is applied, so the slow tier carries each fragment once per group).
+Compressed (bf16/int8), a group sends its fragment's pseudo-gradient ``x - sent_g`` against
+the fragment's last global weights ``x``, with error feedback on the fragment's slice of the
+residual, and the payloads are all-gathered and decoded in group order; the outer optimizer
+then steps from their mean, so the result ``x'`` and the rebase ``theta_g += x' - sent_g`` are
+as above (``sent_g`` is the group's exact weights, not their compressed image). With one
+group the compression error makes ``x' != sent``: only the uncompressed sync is exactly
+training without an outer sync.
+
+Memory: two flat float32 copies of this rank's fragment shards while a sync is in flight (what
+it sent, and the buffer being reduced; with int8, the sent weights and G payloads of a quarter
+of their size), 2 M / K per rank at most, beside the outer optimizer's state.
 
 On failure: as :class:`~flower_shard.runtime.outer_sync.OuterSync`: a failed all-reduce raises
 when it is waited for, and in one torch job that ends the job (torchrun stops the world).
@@ -45,13 +57,17 @@ when it is waited for, and in one torch job that ends the job (torchrun stops th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from flower_shard.runtime import compression as Z
+from flower_shard.runtime.outer_optimizer import pseudo_gradient
 from flower_shard.runtime.outer_sync import (
     OuterSync,
+    StripedAllreduce,
     SyncStats,
     _flatten,
     _unflatten_into,
@@ -108,9 +124,8 @@ def plan_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
 class _InFlight:
     sent: torch.Tensor
     """The fragment's weights as sent (the base of the rebase)."""
-    reduced: torch.Tensor
-    """The all-reduce's buffer: the groups' sum once ``work`` is done."""
-    work: object
+    finish: Callable[[], torch.Tensor]
+    """Waits for the exchange; returns the fragment's new global weights."""
 
 
 class StreamingSync:
@@ -119,13 +134,15 @@ class StreamingSync:
 
     The driver calls :meth:`after_step` after every inner step, :meth:`end_round` at the end of
     each round (the round's statistics), and :meth:`drain` before a checkpoint, the last
-    evaluation and the end of the run. Uncompressed FSDP exchange with equal group weights
-    (the one-job collective driver); the config refuses the rest.
+    evaluation and the end of the run. The exchange is the outer sync's: float32 all-reduce
+    (striped over HSDP's replicas), or bf16/int8 pseudo-gradients with error feedback, each
+    fragment keeping its own slice of the residual; equal group weights (the one-job collective
+    driver).
 
     Parameters
     ----------
     sync
-        The outer sync whose process group, outer optimizer and shards are used.
+        The outer sync whose process groups, outer optimizer, compression and shards are used.
     model
         The sharded model (for the fragment plan).
     fragments
@@ -137,6 +154,8 @@ class StreamingSync:
     def __init__(
         self, sync: OuterSync, model: nn.Module, fragments: int = 1, overlap: bool = False
     ):
+        if sync.sync_optimizer_state:
+            raise ValueError("a fragmented or overlapped sync moves weights, not AdamW's moments")
         self.sync, self.overlap = sync, overlap
         self.fragments = plan_fragments(model, fragments)
         self._in_flight: dict[int, _InFlight] = {}
@@ -194,42 +213,76 @@ class StreamingSync:
     def _params(self, fragment: Fragment) -> list[torch.Tensor]:
         return self.sync.params[fragment.first : fragment.first + len(fragment.names)]
 
-    def _count(self, payload: int) -> None:
-        g = self.groups
+    def _count(self, payload: int, sent: int, replicate: int = 0) -> None:
         self._stats.payload_bytes += payload
-        self._stats.sent_bytes += 2 * (g - 1) * payload // g
+        self._stats.sent_bytes += sent
+        self._stats.replicate_bytes += replicate
 
     @torch.no_grad()
     def _blocking(self, fragment: Fragment) -> None:
         if len(self.fragments) == 1:  # exactly the synchronous sync
-            self._count(self.sync.sync().payload_bytes)
+            stats = self.sync.sync()
+            self._count(stats.payload_bytes, stats.sent_bytes, stats.replicate_bytes)
             return
         params = self._params(fragment)
-        flat = _flatten(params)
-        self.sync.group_pg.allreduce([flat]).wait()  # SUM
-        flat.div_(self.groups)
-        _unflatten_into(self._outer_step(fragment, flat), params)
-        self._count(flat.numel() * flat.element_size())
+        _unflatten_into(self._start(fragment, _flatten(params))(), params)
 
     @torch.no_grad()
     def _send(self, fragment: Fragment) -> None:
         sent = _flatten(self._params(fragment))
-        reduced = sent.clone()
-        work = self.sync.group_pg.allreduce([reduced])  # SUM, in the background
-        self._in_flight[fragment.index] = _InFlight(sent, reduced, work)
-        self._count(sent.numel() * sent.element_size())
+        self._in_flight[fragment.index] = _InFlight(sent, self._start(fragment, sent))
 
     @torch.no_grad()
     def _receive(self, fragment: Fragment) -> None:
         flight = self._in_flight.pop(fragment.index)
-        flight.work.wait()
-        mean = flight.reduced.div_(self.groups)
-        x = self._outer_step(fragment, mean)
+        x = flight.finish()
         offset = 0
         for p in self._params(fragment):
             n = p.numel()
             p.add_((x[offset : offset + n] - flight.sent[offset : offset + n]).view_as(p))
             offset += n
+
+    def _start(self, fragment: Fragment, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the exchange of ``flat`` (the fragment's weights; not modified) in the
+        background; the returned call waits for it and returns the new global weights."""
+        sync, g = self.sync, self.groups
+        width = flat.element_size()
+        if sync.feedback is not None:
+            return self._start_compressed(fragment, flat)
+        if sync.replicate_pg is not None:
+            striped = StripedAllreduce(sync.group_pg, sync.replicate_pg, flat)
+            sent = 2 * (g - 1) * striped.stripe * width // g
+            self._count(flat.numel() * width, sent, striped.replicate_bytes)
+            return lambda: self._outer_step(fragment, striped.finish(sync.wait).div_(g))
+        reduced = flat.clone()
+        work = sync.group_pg.allreduce([reduced])  # SUM
+        self._count(flat.numel() * width, 2 * (g - 1) * flat.numel() * width // g)
+
+        def finish() -> torch.Tensor:
+            sync.wait(work)
+            return self._outer_step(fragment, reduced.div_(g))
+
+        return finish
+
+    def _start_compressed(
+        self, fragment: Fragment, flat: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """The pseudo-gradient against the fragment's last global weights, compressed with the
+        fragment's slice of the residual, all-gathered (not striped, as the sync's)."""
+        sync, g = self.sync, self.groups
+        start, stop = fragment.start, fragment.stop
+        delta = pseudo_gradient(sync.outer.weights.detach()[start:stop], flat)
+        mine = Z.to_bytes(sync.feedback.compress(delta, start))
+        gathered = [torch.empty_like(mine) for _ in range(g)]
+        work = sync.group_pg.allgather([gathered], [mine])
+        self._count(mine.numel(), (g - 1) * mine.numel())
+
+        def finish() -> torch.Tensor:
+            sync.wait(work)
+            mean = Z.mean_of(gathered, sync.compression, flat.numel(), sync.chunk)
+            return sync.outer.apply_part(mean, start, stop)
+
+        return finish
 
     def _outer_step(self, fragment: Fragment, mean: torch.Tensor) -> torch.Tensor:
         if len(self.fragments) == 1:

@@ -2,8 +2,10 @@
 
 argv: CONFIG_JSON DATA_DIR FRAGMENTS MODE (``overlap`` or ``blocking``) OUT_DIR.
 Rank 0 of each group saves OUT/events_g{g}.pt: per sync event (round, fragment, its parameter
-names) the group's full weights before and after, then the drain's, and the initial ones; with G = 1 also the final
-weights of a second model trained on the same batches with no outer sync at all (``plain``).
+names) the group's full weights before and after, then the drain's, and the initial ones; the
+bytes each round's syncs counted (payload, sent across groups, sent to replicas); with G = 1
+also the final weights of a second model trained on the same batches with no outer sync at all
+(``plain``).
 """
 
 import sys
@@ -18,6 +20,7 @@ from flower_shard.runtime.group_trainer import GroupTrainer
 from flower_shard.runtime.outer_sync import build_outer_sync
 from flower_shard.runtime.streaming_sync import StreamingSync
 from flower_shard.runtime.trainer import build_job_trainer
+from flower_shard.runtime.distributed import exit_now
 
 cfg_path, data_dir, fragments, mode, out = sys.argv[1:6]
 cfg = TrainConfig.from_json(cfg_path)
@@ -26,7 +29,9 @@ place = trainer.place
 pg = place.outer_pg()
 if pg is None:  # G = 1: every rank syncs with itself alone
     pg, _ = dist.new_subgroups(group_size=1)
-sync = build_outer_sync(cfg, trainer.model, trainer.optimizer, group_pg=pg)
+sync = build_outer_sync(
+    cfg, trainer.model, trainer.optimizer, group_pg=pg, replicate_pg=place.replicate_pg()
+)
 streaming = StreamingSync(sync, trainer.model, int(fragments), overlap=mode == "overlap")
 T = cfg.local_steps
 events = []
@@ -45,16 +50,23 @@ def between(done: int) -> None:
             )
 
 
+stats = []
 for r in range(cfg.rounds):
     trainer.train_steps(T, between=between)
-    streaming.end_round()
+    stats.append(streaming.end_round())
 before = full_state(trainer.model)
 streaming.drain()
 events.append(dict(round=cfg.rounds, fragment=None, before=before, after=full_state(trainer.model)))
-result = {"init": init, "events": events, "fragments": [f.names for f in streaming.fragments]}
+result = {
+    "init": init,
+    "events": events,
+    "fragments": [f.names for f in streaming.fragments],
+    "stats": [(s.payload_bytes, s.sent_bytes, s.replicate_bytes) for s in stats],
+}
 if cfg.groups == 1:
     plain = GroupTrainer(cfg, place, DataPart.load(Path(data_dir), cfg, place))
     plain.train_steps(T * cfg.rounds)
     result["plain"] = full_state(plain.model)
 save_from_group_leader(result, f"{out}/events_g{place.group}.pt", place.group_size)
-trainer.close()
+trainer.close(clean=True)
+exit_now()  # see exit_now: no finalization race with gloo's threads
