@@ -32,6 +32,7 @@ A queued task's heartbeat starts at once, so its token stays valid while it wait
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import sys
 import threading
@@ -58,6 +59,7 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 from flwr.supercore.task_identity import TaskIdentity
+from flwr.supercore.utils import get_flwr_home
 from flwr.supernode.runtime.run_clientapp import (
     pull_task_input,
     push_message,
@@ -66,6 +68,9 @@ from flwr.supernode.runtime.run_clientapp import (
 
 # A refused task token: the task expired or its run stopped. Only this task is over.
 _TASK_REFUSED = (httpx.codes.UNAUTHORIZED, httpx.codes.FORBIDDEN)
+
+FAB_LOCK = ".fab-install.lock"
+"""In the Flower home: held while a FAB is installed and its ClientApp loaded."""
 
 
 def task_retry_invoker() -> RetryInvoker:
@@ -133,9 +138,18 @@ class WarmClientAppExecutor(SubprocessExecutor):
     def _client_app(self, run, fab) -> ClientApp:
         """The ClientApp of this FAB, installed and loaded on first use."""
         if fab.hash_str not in self._apps:
-            install_from_fab(fab.content, skip_prompt=True)
-            load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
-            self._apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
+            # Several nodes on one host may share a Flower home. install_from_fab makes the
+            # app's directory first and copies into it after, and one that finds the directory
+            # returns at once: a second SuperExec would load a half-copied app
+            # (LoadClientAppError, seen as a group missing from a run's first round). Install
+            # and load under one lock of the home.
+            home = get_flwr_home()
+            home.mkdir(parents=True, exist_ok=True)
+            with open(home / FAB_LOCK, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                install_from_fab(fab.content, skip_prompt=True)
+                load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+                self._apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
         return self._apps[fab.hash_str]
 
     def _run_task(self, spec: ExecutionSpec) -> None:
