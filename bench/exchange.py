@@ -4,8 +4,9 @@ raw loopback TCP moving the same bytes, with every process's peak memory.
 A synthetic model of ``--size-gb`` float32 (parameters of 4096 x 4096) is owned by
 ``--aggregators`` aggregator processes. Each of G groups has K rank processes; per round every
 rank downloads its shard of the global model (a full snapshot: float32), then streams its
-synthetic pseudo-gradient (drawn chunk by chunk, so the bench's ranks hold no model: the real
-group's memory is measured by the deployment benchmarks), the ServerApp side checks the
+synthetic pseudo-gradient (made chunk by chunk with the one subtraction a real rank does, so
+the bench's ranks hold no model: the real group's memory is measured by the deployment
+benchmarks), the ServerApp side checks the
 status and commits. The round's exchange time is from ``begin`` to the end of the last
 download. The raw side: the same G x K connections each send M / K bytes to one receiving
 process and get M / K bytes back, over loopback TCP. Side by side, interleaved, per G.
@@ -38,21 +39,33 @@ from flower_shard.dataplane import tickets  # noqa: E402
 from flower_shard.dataplane.client import RankLink, UplinkEncoder  # noqa: E402
 from flower_shard.dataplane.layout import Layout, rows_to_elements  # noqa: E402
 from flower_shard.dataplane.pool import AggregatorPool  # noqa: E402
+from flower_shard.dataplane.wire import CHUNK_VALUES  # noqa: E402
 
 HERE = Path(__file__).parent
 ROWS, COLS = 4096, 4096
 
 
 class Synthetic:
-    """Float32 values drawn per slice from a seeded generator (nothing held)."""
+    """A shard's pseudo-gradient, made per slice as a real rank makes it (``view - local``, one
+    subtraction of two float32 arrays, :class:`~flower_shard.dataplane.rank.RankExchange`),
+    from two seeded blocks of one chunk each, shared by a rank's pieces: nothing of the model
+    is held, and no random draw is timed as if it were the exchange."""
 
-    def __init__(self, size: int, seed: int):
-        self.size, self.seed = size, seed
+    PAD = 4096
+
+    def __init__(self, size: int, blocks: tuple[np.ndarray, np.ndarray]):
+        self.size, (self.view, self.local) = size, blocks
+
+    @classmethod
+    def blocks(cls, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        n = CHUNK_VALUES + cls.PAD
+        return tuple(rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3) for _ in "vl")
 
     def __getitem__(self, s: slice) -> np.ndarray:
         start, stop, _ = s.indices(self.size)
-        rng = np.random.default_rng([self.seed, start])
-        return rng.standard_normal(stop - start, dtype=np.float32) * np.float32(1e-3)
+        at = start % self.PAD  # chunks differ from each other
+        return self.view[at : at + stop - start] - self.local[at : at + stop - start]
 
 
 def layout_of(size: int, aggregators: int) -> Layout:
@@ -83,7 +96,8 @@ def rank_main(args) -> float:
         link.download(
             ranges, layout, -1, sink=lambda m, p, a, v: got.__setitem__(0, got[0] + v.size)
         )
-    pieces = [(p, a, Synthetic(b - a, group * 1000 + p)) for p, a, b in ranges]
+    blocks = Synthetic.blocks(group * 1000 + rank)
+    pieces = [(p, a, Synthetic(b - a, blocks)) for p, a, b in ranges]
     link.upload(pieces, layout, 1000.0, UplinkEncoder(kind, 2048))
     link.close()
     return got[0]

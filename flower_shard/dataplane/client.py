@@ -145,7 +145,7 @@ class RankLink:
                     param, start, _ = wire.decode_header(frame)
                     values = wire.decode_values(frame, head["kind"], head["scale_chunk"])
                     if sink is None:
-                        out[(param, start)] = values
+                        out[(param, start)] = values.copy()  # not a view of the frame
                     else:
                         sink(head["mode"], param, start, values)
             except grpc.RpcError as exc:

@@ -17,6 +17,7 @@ disk (compressed as it travelled: 1/4 of float32 for int8).
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import struct
 import threading
@@ -77,10 +78,13 @@ class GroupSpool:
                 f"a chunk of {count} values of {p.name} has {len(frame) - wire.HEADER.size} "
                 f"bytes, expected {want} for compression {self.kind}"
             )
-        values = wire.decode_values(frame, self.kind, self.scale_chunk)
-        if not np.isfinite(values).all():
+        wide = wire.decode_values(frame, self.kind, self.scale_chunk).astype(np.float64)
+        sq = float(np.dot(wide, wide))
+        del wide
+        # one pass for both: float32 squares cannot overflow a float64 sum of 2^26 of them, so
+        # the sum is finite exactly when every value is
+        if not math.isfinite(sq):
             return f"non-finite values in {p.name}[{start}:{start + count}]"
-        sq = float(np.dot(values.astype(np.float64), values.astype(np.float64)))
         with self._lock:
             if self.rejected:
                 return self.rejected
@@ -117,16 +121,25 @@ class GroupSpool:
     def fold_into(self, acc: np.ndarray, offsets: dict[int, int], scale: np.float32) -> None:
         """``acc[param's slice] += scale x values`` for every frame, in the order they came."""
         self.close()
+        buf, scaled = bytearray(), np.empty(0, np.float32)  # reused for every frame
         with open(self.path, "rb") as fh:
             while True:
                 head = fh.read(RECORD.size)
                 if not head:
                     return
-                frame = fh.read(RECORD.unpack(head)[0])
+                size = RECORD.unpack(head)[0]
+                if len(buf) < size:
+                    buf = bytearray(size)
+                frame = memoryview(buf)[:size]
+                if fh.readinto(frame) != size:
+                    raise OSError(f"{self.path} ends inside a frame (truncated spool)")
                 param, start, count = wire.decode_header(frame)
                 values = wire.decode_values(frame, self.kind, self.scale_chunk)
-                at = offsets[param] + start
-                acc[at : at + count] += scale * values
+                if scaled.size < count:
+                    scaled = np.empty(count, np.float32)
+                np.multiply(values, scale, out=scaled[:count])  # the same float32 ops as
+                at = offsets[param] + start  # acc += scale * values, without temporaries
+                np.add(acc[at : at + count], scaled[:count], out=acc[at : at + count])
 
     def delete(self) -> None:
         self.close()
