@@ -2,7 +2,7 @@
 outer step, and the downlink (full snapshots or the compressed global delta).
 
 Memory, for the 1/A of the model this aggregator owns (M_a bytes in float32): the global weights
-(M_a, inside the outer optimizer), the accumulator (M_a, from the first commit on), nesterov's
+(M_a, inside the outer optimizer), the fold's accumulator (M_a), nesterov's
 momentum (M_a), and with a compressed downlink the groups' view of the global weights (M_a)
 plus the round's encoded delta (M_a / 4 for int8, / 2 for bf16). Nothing grows with G: the
 groups' updates are spooled (:mod:`.spool`).
@@ -96,7 +96,10 @@ class AggregatorState:
         self.spool_dir = Path(spool_dir)
         self.spools: dict[int, GroupSpool] = {}
         self.open_round = -1
-        self._acc: np.ndarray | None = None
+        # the fold's accumulator, for the whole run, touched now: a fresh array costs seconds
+        # of first-touch page faults per GB (gVisor-like sandboxes), not to be paid in a round
+        self._acc = np.zeros(self.numel, dtype=np.float32)
+        self._acc.fill(0.0)
         self._lock = threading.Lock()
 
     @property
@@ -150,12 +153,7 @@ class AggregatorState:
             raise ValueError(f"groups {missing} did not complete their upload here")
         total = float(sum(accepted.values()))
         if accepted:
-            # one accumulator for the whole run, zeroed in place: a fresh 1 GB array costs
-            # seconds of first-touch page faults each round; the peak is the same either way
-            if self._acc is None:
-                self._acc = np.zeros(self.numel, dtype=np.float32)
-            else:
-                self._acc.fill(0.0)
+            self._acc.fill(0.0)
             for g in sorted(accepted):
                 self.spools[g].fold_into(self._acc, self.offsets, np.float32(accepted[g] / total))
             self.outer.apply(torch.from_numpy(self._acc))  # pseudo-grad: global - mean(local)
