@@ -78,11 +78,11 @@ class GroupSpool:
                 f"a chunk of {count} values of {p.name} has {len(frame) - wire.HEADER.size} "
                 f"bytes, expected {want} for compression {self.kind}"
             )
-        wide = wire.decode_values(frame, self.kind, self.scale_chunk).astype(np.float64)
-        sq = float(np.dot(wide, wide))
-        del wide
-        # one pass for both: float32 squares cannot overflow a float64 sum of 2^26 of them, so
-        # the sum is finite exactly when every value is
+        values = wire.decode_values(frame, self.kind, self.scale_chunk)
+        # summed in float64 through einsum's small buffers: no float64 copy of the frame per
+        # concurrent stream. One pass for both checks: float32 squares cannot overflow a
+        # float64 sum of 2^26 of them, so the sum is finite exactly when every value is
+        sq = float(np.einsum("i,i->", values, values, dtype=np.float64))
         if not math.isfinite(sq):
             return f"non-finite values in {p.name}[{start}:{start + count}]"
         with self._lock:
