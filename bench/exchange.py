@@ -1,6 +1,10 @@
 """Exchange only: the streaming data plane's real code paths on a large synthetic model, against
 raw loopback TCP moving the same bytes, with every process's peak memory.
 
+Beside raw TCP it times bare gRPC: the same connections streaming the same bytes in 4 MiB
+messages through grpcio with nothing else done, the floor of any data plane written in Python
+gRPC on the machine at hand.
+
 A synthetic model of ``--size-gb`` float32 (parameters of 4096 x 4096) is owned by
 ``--aggregators`` aggregator processes. Each of G groups has K rank processes; per round every
 rank downloads its shard of the global model (a full snapshot: float32), then streams its
@@ -39,10 +43,11 @@ from flower_shard.dataplane import tickets  # noqa: E402
 from flower_shard.dataplane.client import RankLink, UplinkEncoder  # noqa: E402
 from flower_shard.dataplane.layout import Layout, rows_to_elements  # noqa: E402
 from flower_shard.dataplane.pool import AggregatorPool  # noqa: E402
-from flower_shard.dataplane.wire import CHUNK_VALUES  # noqa: E402
+from flower_shard.dataplane.wire import CHUNK_VALUES, GRPC_OPTIONS  # noqa: E402
 
 HERE = Path(__file__).parent
 ROWS, COLS = 4096, 4096
+FLOOR = "/bench.Floor/"  # the bare gRPC baseline's methods
 
 
 class Synthetic:
@@ -174,6 +179,55 @@ def _raw_client(args) -> None:
             got += s.recv_into(buf, min(len(buf), per - got))
 
 
+def bare_grpc(groups: int, k: int, size: int, workers) -> float:
+    """The floor of any data plane in Python gRPC: the same G x K connections each stream
+    size / K bytes in messages of one chunk (4 MiB) to one grpcio server of this process and
+    stream as many back; no checks, no spool, no fold, no encoding."""
+    from concurrent import futures
+
+    import grpc
+
+    def up(frames, context):
+        return sum(len(f) for f in frames).to_bytes(8, "little")
+
+    def down(request, context):
+        n, chunk = int.from_bytes(request, "little"), bytes(4 * CHUNK_VALUES)
+        for a in range(0, n, len(chunk)):
+            yield chunk[: min(len(chunk), n - a)]
+
+    handler = grpc.method_handlers_generic_handler(
+        FLOOR.strip("/"),
+        {
+            "Up": grpc.stream_unary_rpc_method_handler(up),
+            "Down": grpc.unary_stream_rpc_method_handler(down),
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(groups * k), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        start = time.perf_counter()
+        moved = workers.map(_grpc_client, [(port, size // k)] * (groups * k), chunksize=1)
+        seconds = time.perf_counter() - start
+    finally:
+        server.stop(None)
+    assert moved == [2 * (size // k)] * (groups * k), moved
+    return seconds
+
+
+def _grpc_client(args) -> int:
+    import grpc
+
+    port, per = args
+    chunk = bytes(4 * CHUNK_VALUES)
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
+        frames = (chunk[: min(len(chunk), per - a)] for a in range(0, per, len(chunk)))
+        sent = int.from_bytes(ch.stream_unary(FLOOR + "Up")(frames), "little")
+        got = sum(len(f) for f in ch.unary_stream(FLOOR + "Down")(per.to_bytes(8, "little")))
+    return sent + got
+
+
 def measure(args, groups: int, ctx, work: Path) -> dict:
     size = int(args.size_gb * 1e9)
     layout = layout_of(size, args.aggregators)
@@ -189,13 +243,14 @@ def measure(args, groups: int, ctx, work: Path) -> dict:
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
     }
-    rounds, raws = [], []
+    rounds, raws, floors = [], [], []
     workers = ctx.Pool(groups * args.ranks)
     try:
         with PeakSampler(interval=0.2) as sampler:
             pool.configure("bench", layout, settings, {"kind": "random", "seed": 0, "std": 0.02})
             for r in range(1, args.repeats + 1):  # interleaved: both sides share the noise
                 raws.append(raw_tcp(groups, args.ranks, m, workers))
+                floors.append(bare_grpc(groups, args.ranks, m, workers))
                 rounds.append(
                     dataplane_round(pool, layout, r, groups, args.ranks, args.compression, workers)
                 )
@@ -212,6 +267,8 @@ def measure(args, groups: int, ctx, work: Path) -> dict:
         "exchange_s": [d["seconds"] for d in rounds],
         "commit_s": [d["commit_s"] for d in rounds],
         "raw_tcp_s": raws,
+        "bare_grpc_s": floors,
+        "bare_grpc_over_raw": statistics.median(f / r for f, r in zip(floors, raws)),
         "ratio": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)},
         "aggregator_peak_bytes": agg,
         "aggregator_peak_over_m": sum(agg) / m,
@@ -243,14 +300,17 @@ def main() -> None:
         f"model {m / 1e9:.2f} GB float32, K = {args.ranks}, A = {args.aggregators}, "
         f"uplink {args.compression}, outer {args.outer}, {args.repeats} repeat(s)"
     )
-    print("| G | exchange s (median) | raw TCP s | ratio min/median/max | aggregator peak / M |")
-    print("|---|---|---|---|---|")
+    print(
+        "| G | exchange s (median) | raw TCP s | ratio min/median/max | bare gRPC x raw TCP "
+        "| aggregator peak / M |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['groups']} | {statistics.median(r['exchange_s']):.1f} | "
             f"{statistics.median(r['raw_tcp_s']):.1f} | {r['ratio']['min']:.2f} / "
             f"{r['ratio']['median']:.2f} / {r['ratio']['max']:.2f} | "
-            f"{r['aggregator_peak_over_m']:.2f} |"
+            f"{r['bare_grpc_over_raw']:.2f} | {r['aggregator_peak_over_m']:.2f} |"
         )
     if len(results) > 1:
         first, last = results[0], results[-1]

@@ -203,27 +203,30 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path, transport: str
     )
     before = dep.net.site_bytes()
     start = time.perf_counter()
-    summary = dep.run(
-        {
-            P.NUM_SERVER_ROUNDS: cfg.rounds,
-            P.LOCAL_STEPS: cfg.local_steps,
-            P.OUT_DIR: str(out),
-            P.TRANSPORT: transport,
-            P.MIN_GROUPS: dep.num_nodes,
-            P.EVAL_EVERY: cfg.eval_every,
-            P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
-            "model": cfg.model,
-            "seq-len": cfg.seq_len,
-            "batch-size": cfg.batch_size,
-            "lr": cfg.lr,
-            "seed": cfg.seed,
-            "eval-sequences": cfg.eval_sequences,
-            "compression": cfg.compression,
-            "compression-chunk": cfg.compression_chunk,
-        }
-        | streaming,
-        timeout=3600,
-    )
+    with LinkMeter(dep.net) as meter:
+        summary = dep.run(
+            {
+                P.NUM_SERVER_ROUNDS: cfg.rounds,
+                P.LOCAL_STEPS: cfg.local_steps,
+                P.OUT_DIR: str(out),
+                P.TRANSPORT: transport,
+                P.MIN_GROUPS: dep.num_nodes,
+                P.EVAL_EVERY: cfg.eval_every,
+                P.COLLECTIVE_ADDRESS: f"127.0.0.1:{free_port()}",
+                "model": cfg.model,
+                "seq-len": cfg.seq_len,
+                "batch-size": cfg.batch_size,
+                "lr": cfg.lr,
+                "seed": cfg.seed,
+                "eval-sequences": cfg.eval_sequences,
+                "compression": cfg.compression,
+                "compression-chunk": cfg.compression_chunk,
+                # both ways, as the collective transport's compressed all-gather
+                "downlink-compression": cfg.compression,
+            }
+            | streaming,
+            timeout=3600,
+        )
     if summary[P.S_STATUS] != P.STATUS_OK:
         raise RuntimeError(f"{transport} run failed: {summary.get('error')}")
     wall = time.perf_counter() - start
@@ -233,16 +236,17 @@ def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path, transport: str
         "inter_bytes": sum(a["inter"] - b["inter"] for a, b in zip(after, before)),
         "intra_bytes": sum(a["intra"] - b["intra"] for a, b in zip(after, before)),
         "wall_s": wall,
-    }
+    } | meter.figures()
 
 
 def flower_rounds(records: list[dict]) -> list[dict]:
     """The ServerApp's rounds in the torchrun runs' terms: time without the server-side
     evaluation; the exchange is everything in the round but the groups' compute (weights
-    gathered, sent, aggregated, sent back, loaded, and Flower's own messaging)."""
+    gathered, sent, aggregated, sent back, loaded, and Flower's own messaging), and the
+    streaming transport's download where the groups pulled the model to evaluate it."""
     out, previous = [], 0
     for r in records:
-        train_s = r["group_round_s"] + r["control_overhead_s"]
+        train_s = r["group_round_s"] + r["control_overhead_s"] + r.get(P.EVAL_PULL_S, 0.0)
         out.append(
             r
             | {

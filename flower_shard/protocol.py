@@ -134,6 +134,9 @@ TOKENS_PER_S = "tokens_per_s"
 TRAIN_LOSS = "train_loss"
 EVAL_LOSS = "eval_loss"
 EVAL_PPL = "eval_ppl"
+# streaming: a group's evaluate reply, the seconds it took to pull the model it evaluated;
+# a record: the slowest group's (exchange time the next TRAIN message then does not spend)
+EVAL_PULL_S = "eval_pull_s"
 LR = "lr"
 ROUND_LOCAL_STEPS = "local_steps"  # T of this round (varies with adaptive-t, round-seconds)
 ROUND_S = "round_s"

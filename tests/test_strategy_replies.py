@@ -182,14 +182,15 @@ def test_malformed_replies_are_refused_and_none_escapes_the_round():
 
 
 def test_evaluation_replies_are_checked_the_same_way():
-    def ev(node, value, record=MetricRecord):
+    def ev(node, value, record=MetricRecord, **extra):
         return Message(
-            RecordDict({P.METRICS: record({P.EVAL_LOSS: value})}),
+            RecordDict({P.METRICS: record({P.EVAL_LOSS: value} | extra)}),
             reply_to=instruction(node, MessageType.EVALUATE),
         )
 
-    asked = {f"ins-{n}": n for n in range(11, 17)}
-    losses, rejected = R.check_eval_replies(
+    asked = {f"ins-{n}": n for n in range(11, 22)}
+    pull = P.EVAL_PULL_S
+    checked, rejected = R.check_eval_replies(
         2,
         [
             ev(11, 3.5),
@@ -198,12 +199,19 @@ def test_evaluation_replies_are_checked_the_same_way():
             ev(14, -0.5),
             ev(15, 1e300),
             Message(Error(code=2, reason="no group"), reply_to=instruction(16)),
+            ev(17, 3.25, **{pull: 2.5}),  # streaming: the seconds its download took
+            ev(18, 3.5, **{pull: -1.0}),
+            ev(19, 3.5, **{pull: math.inf}),
+            ev(20, 3.5, **{pull: 1e30}),
+            ev(21, 3.5, ConfigRecord, **{pull: "2.5"}),
         ],
         asked,
     )
-    assert losses == [3.5]
-    assert [line.split(":")[0] for line in rejected] == [f"node {n}" for n in (12, 13, 14, 15, 16)]
+    assert checked == [(3.5, 0.0), (3.25, 2.5)]
+    bad = (12, 13, 14, 15, 16, 18, 19, 20, 21)
+    assert [line.split(":")[0] for line in rejected] == [f"node {n}" for n in bad]
     assert all(": evaluate: " in line for line in rejected)
+    assert all(pull in line for line in rejected[-4:])
 
 
 # -- arrays -------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployme
     # Nothing but the ticket crossed Flower; the ranks streamed the weights.
     assert all(r["exchange_bytes"] == 0 and r["outer_sync_bytes"] > 0 for r in rounds)
     assert all(np.isfinite(r["eval_ppl"]) for r in rounds)
+    # The groups pulled each round's model to evaluate it: that download is in the records.
+    assert all(r[P.EVAL_PULL_S] > 0 for r in rounds), [r[P.EVAL_PULL_S] for r in rounds]
     # The groups keep their trainer from round to round (the ticket changes, the run does not):
     # the inner LR follows one schedule over the run. A group rebuilt every round reported the
     # same LR, its first round's, every round (and lost its AdamW state and data position).

@@ -198,7 +198,10 @@ class GroupWorker:
                 return {P.H_ERROR: f"streaming: {exc}"}, {}
             self.dump(config, "loaded" if method == P.TRAIN else "evaluated")
         if method == P.EVALUATE:
-            return {P.H_METRICS: {P.EVAL_LOSS: self.trainer.evaluate()}}, {}
+            metrics = {P.EVAL_LOSS: self.trainer.evaluate()}
+            if self.run.stream is not None:  # the download of this round happened here
+                metrics[P.EVAL_PULL_S] = pulled_s
+            return {P.H_METRICS: metrics}, {}
         return self.train(config, pulled_s)
 
     def train(self, config: dict, pulled_s: float = 0.0) -> tuple[dict, dict]:

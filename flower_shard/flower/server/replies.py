@@ -105,6 +105,10 @@ SYNC_FIELDS = (
 )
 """What a group reports of a cross-group sync it ran itself (the collective transport)."""
 EVAL_FIELD = Field("eval_loss", P.EVAL_LOSS, False, 0.0, lambda r: MAX_LOSS)
+EVAL_PULL_FIELD = Field(
+    "eval_pull_s", P.EVAL_PULL_S, False, 0.0, lambda r: MAX_EVAL_PULL_S, required=False
+)
+MAX_EVAL_PULL_S = 7 * 86400.0  # no rules at evaluation: a week bounds any honest download
 
 
 @dataclass(frozen=True)
@@ -249,16 +253,17 @@ def _drop_arrays(msg: object) -> None:
         pass
 
 
-def check_eval_reply(msg: Message) -> float:
-    """The held-out loss of a group's evaluation reply; raises :class:`Rejected`."""
-    value = check_metrics(metric_record(reply_content(msg)), (EVAL_FIELD,), None)
-    return float(value[EVAL_FIELD.attr])
+def check_eval_reply(msg: Message) -> tuple[float, float]:
+    """(held-out loss, seconds spent pulling the model: 0 when not said) of a group's
+    evaluation reply; raises :class:`Rejected`."""
+    value = check_metrics(metric_record(reply_content(msg)), (EVAL_FIELD, EVAL_PULL_FIELD), None)
+    return float(value[EVAL_FIELD.attr]), float(value.get(EVAL_PULL_FIELD.attr, 0.0))
 
 
 def check_eval_replies(
     server_round: int, replies: Iterable[Message], asked: Mapping[str, int]
 ) -> tuple[list[float], list[str]]:
-    """The held-out losses of the valid evaluation replies, and a line per other one."""
+    """(loss, pull seconds) of the valid evaluation replies, and a line per other one."""
     return screen(server_round, MessageType.EVALUATE, replies, check_eval_reply, asked)
 
 

@@ -57,6 +57,8 @@ class Evaluation:
 
     loss: float | None = None
     rejected: list[str] = field(default_factory=list)
+    pull_s: float = 0.0
+    """The slowest group's pull of the evaluated model (streaming: the round's download)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ class RoundStats:
     timing: Timing
     groups: list[GroupShare] = field(default_factory=list)
     eval_loss: float | None = None
+    eval_pull_s: float = 0.0
+    """Streaming: the round's download, made when the groups pulled the model to evaluate it
+    (then not in the next round's time: count it as this round's exchange)."""
 
     @classmethod
     def collect(
@@ -158,6 +163,7 @@ class RoundStats:
             timing=timing,
             groups=figures.groups,
             eval_loss=evaluation.loss,
+            eval_pull_s=evaluation.pull_s,
         )
 
     @property
@@ -188,6 +194,7 @@ class RoundStats:
             P.PUSH_S: t.train.push_s,
             P.REPLY_WAIT_S: t.train.reply_wait_s,
             P.EVAL_S: t.eval_s,
+            P.EVAL_PULL_S: self.eval_pull_s,
             P.GROUP_ROUND_S: self.group_round_s,
             P.CONTROL_OVERHEAD_S: self.control_overhead_s,
             P.GROUPS: [g.record() for g in self.groups],
@@ -238,8 +245,9 @@ class GroupFigures:
 def evaluated(
     server_round: int, replies: Iterable[Message], messages: Iterable[Message] = ()
 ) -> tuple[MetricRecord | None, list[str]]:
-    """The mean held-out loss of the valid evaluation replies to ``messages``, and a line per
-    other one (without ``messages``: no reply is missing, none can be named)."""
+    """The mean held-out loss of the valid evaluation replies to ``messages`` (with the slowest
+    group's pull of the model, where groups pulled it), and a line per other one (without
+    ``messages``: no reply is missing, none can be named)."""
     replies = list(replies)
     asked = R.asked_nodes(messages)
     answered = {r.metadata.reply_to_message_id for r in replies}
@@ -248,6 +256,11 @@ def evaluated(
         for mid, node in asked.items()
         if mid not in answered
     ]
-    losses, bad = R.check_eval_replies(server_round, replies, asked)
-    metrics = MetricRecord({P.EVAL_LOSS: sum(losses) / len(losses)}) if losses else None
-    return metrics, rejected + bad
+    checked, bad = R.check_eval_replies(server_round, replies, asked)
+    if not checked:
+        return None, rejected + bad
+    losses, pulls = zip(*checked)
+    metrics = {P.EVAL_LOSS: sum(losses) / len(losses)}
+    if any(pulls):
+        metrics[P.EVAL_PULL_S] = max(pulls)
+    return MetricRecord(metrics), rejected + bad

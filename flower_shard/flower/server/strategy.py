@@ -305,7 +305,8 @@ class ShardedFedAvg(Strategy):
             return Evaluation(None, rejected)
         log(INFO, "\t└──> MetricRecord: %s", metrics)
         store[server_round] = metrics
-        return Evaluation(float(metrics[P.EVAL_LOSS]), rejected)
+        pull = float(metrics[P.EVAL_PULL_S]) if P.EVAL_PULL_S in metrics else 0.0
+        return Evaluation(float(metrics[P.EVAL_LOSS]), rejected, pull)
 
     # -- the round's parts -----------------------------------------------------------------------
 
