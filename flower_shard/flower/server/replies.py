@@ -262,7 +262,7 @@ def check_eval_reply(msg: Message) -> tuple[float, float]:
 
 def check_eval_replies(
     server_round: int, replies: Iterable[Message], asked: Mapping[str, int]
-) -> tuple[list[float], list[str]]:
+) -> tuple[list[tuple[float, float]], list[str]]:
     """(loss, pull seconds) of the valid evaluation replies, and a line per other one."""
     return screen(server_round, MessageType.EVALUATE, replies, check_eval_reply, asked)
 
