@@ -191,9 +191,7 @@ def bare_grpc(groups: int, k: int, size: int, workers) -> float:
         return sum(len(f) for f in frames).to_bytes(8, "little")
 
     def down(request, context):
-        n, chunk = int.from_bytes(request, "little"), bytes(4 * CHUNK_VALUES)
-        for a in range(0, n, len(chunk)):
-            yield chunk[: min(len(chunk), n - a)]
+        yield from _messages(int.from_bytes(request, "little"))
 
     handler = grpc.method_handlers_generic_handler(
         FLOOR.strip("/"),
@@ -220,12 +218,17 @@ def _grpc_client(args) -> int:
     import grpc
 
     port, per = args
-    chunk = bytes(4 * CHUNK_VALUES)
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
-        frames = (chunk[: min(len(chunk), per - a)] for a in range(0, per, len(chunk)))
-        sent = int.from_bytes(ch.stream_unary(FLOOR + "Up")(frames), "little")
+        sent = int.from_bytes(ch.stream_unary(FLOOR + "Up")(_messages(per)), "little")
         got = sum(len(f) for f in ch.unary_stream(FLOOR + "Down")(per.to_bytes(8, "little")))
     return sent + got
+
+
+def _messages(n: int):
+    """``n`` bytes as messages of one chunk (4 MiB), the last one shorter."""
+    chunk = bytes(4 * CHUNK_VALUES)
+    for a in range(0, n, len(chunk)):
+        yield chunk[: min(len(chunk), n - a)]
 
 
 def measure(args, groups: int, ctx, work: Path) -> dict:

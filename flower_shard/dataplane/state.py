@@ -98,8 +98,7 @@ class AggregatorState:
         self.open_round = -1
         # the fold's accumulator, for the whole run, touched now: a fresh array costs seconds
         # of first-touch page faults per GB (gVisor-like sandboxes), not to be paid in a round
-        self._acc = np.zeros(self.numel, dtype=np.float32)
-        self._acc.fill(0.0)
+        self._acc = np.full(self.numel, 0.0, dtype=np.float32)  # written, so every page mapped
         self._lock = threading.Lock()
 
     @property
