@@ -29,6 +29,7 @@ def test_exchange_bench_moves_the_model_and_samples_the_aggregators(tmp_path):
     assert [r["groups"] for r in results] == [1, 2]
     for r in results:
         assert r["exchange_s"][0] > 0 and r["raw_tcp_s"][0] > 0 and r["bare_grpc_s"][0] > 0
+        assert r["pipelined_s"][0] > 0  # every rank followed the round to its end (asserted)
         assert all(p > r["model_bytes"] for p in r["aggregator_peak_bytes"])
     assert "aggregator peak growth per added group" in text
 

@@ -5,80 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dataplane_util import SHAPES, download_all, pool, shard_pieces, ticket, upload_group
 
 from flower_shard.dataplane import tickets, wire
 from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
-from flower_shard.dataplane.layout import Layout, rows_to_elements
+from flower_shard.dataplane.layout import Layout
 from flower_shard.dataplane.pool import AggregatorPool
 
-SHAPES = {"a.weight": (96, 40), "b.weight": (33, 7), "c.bias": (50,), "d.weight": (70, 64)}
-INIT = {"kind": "random", "seed": 7, "std": 1.0}
-
-
-@pytest.fixture
-def pool(tmp_path):
-    pools = []
-
-    def make(count=2, uplink="none", downlink="none", outer="fedavg", tls=None, root=None):
-        p = AggregatorPool.start_local(count, "127.0.0.1", tmp_path / f"agg{len(pools)}", tls, root)
-        pools.append(p)
-        layout = Layout.build(SHAPES, count)
-        settings = {
-            "uplink": uplink,
-            "downlink": downlink,
-            "scale_chunk": 64,
-            "outer": outer,
-            "outer_lr": 0.7,
-            "outer_momentum": 0.9,
-        }
-        p.configure("run-1", layout, settings, INIT)
-        return p, layout
-
-    yield make
-    for p in pools:
-        p.stop()
-
-
-def shard_pieces(layout, arrays, k: int, s: int):
-    """Rank s of k's pieces: the rows of every parameter FSDP2 gives it (torch.chunk)."""
-    pieces = []
-    for p in layout.params:
-        rows = p.shape[0]
-        c = -(-rows // k)
-        start = min(s * c, rows)
-        n = max(0, min(rows, start + c) - start)
-        a, b = rows_to_elements(p.shape, start, n)
-        if b > a:
-            pieces.append((p.index, a, arrays[p.name].reshape(-1)[a:b]))
-    return pieces
-
-
-def ticket(p, rnd, group):
-    token = tickets.group_token(p.secret, "run-1", rnd, group)
-    return tickets.Ticket("run-1", rnd, group, token, tuple(p.addresses), tls=False)
-
-
-def upload_group(p, layout, rnd, group, deltas, k, weight, kind="none"):
-    for s in range(k):
-        link = RankLink(ticket(p, rnd, group), s)
-        try:
-            link.upload(shard_pieces(layout, deltas, k, s), layout, weight, UplinkEncoder(kind, 64))
-        finally:
-            link.close()
-
-
-def download_all(p, layout, rnd, group, have=-1, shapes=None):
-    link = RankLink(ticket(p, rnd, group), 0)
-    try:
-        ranges = [(q.index, 0, q.numel) for q in layout.params]
-        mode, _, values = link.download(ranges, layout, have)
-    finally:
-        link.close()
-    out = {}
-    for q in layout.params:
-        parts = sorted((start, v) for (i, start), v in values.items() if i == q.index)
-        out[q.name] = np.concatenate([v for _, v in parts]).reshape(q.shape)
-    return mode, out
+__all__ = ["pool"]  # the fixture, used by name
 
 
 def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool):
@@ -200,13 +134,18 @@ def test_int8_both_ways_with_error_feedback_and_a_checkpoint(pool, tmp_path):
     assert mode == "full" and all(np.array_equal(loaded[n], full[n]) for n in SHAPES)
 
 
-@pytest.mark.parametrize("sharding,nproc", [("fsdp", 2), ("hsdp", 4)])
+@pytest.mark.parametrize(
+    "sharding,nproc,follow", [("fsdp", 2, False), ("hsdp", 4, False), ("hsdp", 4, True)]
+)
 def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
-    tmp_path, sharding, nproc
+    tmp_path, sharding, nproc, follow
 ):
     """Real FSDP2/HSDP shards: the pull replaces the group's own init with the aggregators'
     global model, the push of ``view - local`` gives the group's weights back after a commit
-    (one group, fedavg: w - (w - x) = x, exact for x = w / 2), and the second pull loads them."""
+    (one group, fedavg: w - (w - x) = x, exact for x = w / 2), and the second pull loads them.
+    Following the round (pipelined commit): the new weights came while it pushed, into the
+    view; the second pull is answered ``current`` and loads them from there (HSDP: replica 0
+    followed and shares them with the other replicas)."""
     import json
     import threading
     import time
@@ -231,8 +170,11 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
         init = {"kind": "model", "model": "tiny", "vocab_size": 257, "seed": 0, "seq_len": 32}
         p.configure("run-1", layout, settings, init)
         p.begin(1)
+        if follow:
+            p.expect(1, [0])
         _, w0 = download_all(p, layout, 1, 5)
-        args = (",".join(p.addresses), p.secret, 1, sharding, tmp_path)  # the log dir last
+        how = "follow" if follow else "sync"
+        args = (",".join(p.addresses), p.secret, 1, sharding, how, tmp_path)  # the log dir last
         seen = []
 
         def server_side():  # the ServerApp's part, while the group runs in the foreground
@@ -253,7 +195,7 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
         p.stop()
     first = torch.load(tmp_path / "first.pt")
     second = torch.load(tmp_path / "second.pt")
-    assert first["mode"] == "full" and second["mode"] == "full"
+    assert first["mode"] == "full" and second["mode"] == ("current" if follow else "full")
     for name in [q.name for q in layout.params]:
         assert np.array_equal(first["pulled"][name].numpy(), w0[name]), name
         assert torch.equal(second["pulled"][name], first["moved"][name]), name

@@ -72,6 +72,18 @@ def dumped(dep, group, rnd, stage):
     return load_file(path) if path.exists() else None
 
 
+def commits(out) -> list[dict[int, str]]:
+    """Per aggregator, round -> how it committed (from its log: the pipelined fold kept, or
+    folded again from the spools)."""
+    import re
+
+    found = []
+    for path in sorted((out / "aggregators").glob("agg*.log")):
+        lines = re.findall(r"round (\d+): committed groups \S+.*?, (.*)", path.read_text())
+        found.append({int(r): how for r, how in lines})
+    return found
+
+
 def mean64(models, weights):
     total = float(sum(weights))
     return {
@@ -111,6 +123,10 @@ def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployme
     # same LR, its first round's, every round (and lost its AdamW state and data position).
     lrs = [r["lr"] for r in rounds]
     assert lrs[0] > lrs[1] > lrs[2] > 0, lrs
+    # Pipelined: the groups followed every round while they pushed, and every commit kept the
+    # fold they followed (so the models compared above came that way, checked "current").
+    kept = {r: "the pipelined fold kept" for r in (1, 2, 3)}
+    assert commits(tmp_path) == [kept, kept]
 
 
 def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(
@@ -137,10 +153,16 @@ def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(
     rejoined = later[0]["round"]
     a, b = (dumped(deployment, g, rejoined, "loaded") for g in (0, 1))
     assert all(np.array_equal(a[k], b[k]) for k in a)  # the same global model in both
+    # Round 2 waited for the dead group: what group 0 followed was void, the commit folded
+    # group 0 alone from the spools, and group 0 pulled that (checked above).
+    assert all(c[2] == "folded from the spools" for c in commits(tmp_path))
 
 
 def test_int8_both_ways_trains_like_float32(deployment, tmp_path):
-    base = run(deployment, tmp_path / "f32", rounds=2)
+    """(float32 without the pipelined commit: the synchronous path through a deployment.)"""
+    base = run(deployment, tmp_path / "f32", rounds=2, **{"pipelined-commit": False})
+    synchronous = {1: "folded from the spools", 2: "folded from the spools"}
+    assert commits(tmp_path / "f32") == [synchronous, synchronous]
     int8 = run(
         deployment,
         tmp_path / "int8",

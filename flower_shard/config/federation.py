@@ -105,6 +105,11 @@ class FederationConfig:
     it; each node verifies them with its own `--root-certificates`)."""
     dataplane_insecure: bool = False
     """Streaming transport without TLS: on purpose only (loopback tests and demos)."""
+    pipelined_commit: bool = True
+    """Streaming transport: an aggregator folds each parameter as soon as every group of the
+    round has sent it whole, and the groups download the new values while they still upload
+    (both directions of a site link at once). Provisional until the round commits: a group
+    left out (died, rejected) makes the others pull the committed model again."""
     downlink_compression: str = choice(C.NO_COMPRESSION, C.COMPRESSIONS)
     """Transports streaming and flower: how the global model reaches the groups each round:
     `none` (float32 snapshots) or, `bf16` / `int8`, the delta since the model they hold,

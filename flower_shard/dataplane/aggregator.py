@@ -10,8 +10,9 @@ Three calls (generic handlers, raw bytes, no generated code):
   control holds a fast sender back), so memory does not follow the sender's pace.
 - ``Download`` (a rank's request): JSON with the rank's token, the element ranges of its shard
   and the round of its last global model; answered with a JSON header (full snapshot, delta,
-  or nothing new) and a stream of frames. The ServerApp, with the control token, may download
-  any range at any time (the final model).
+  or nothing new) and a stream of frames. A rank that *follows* the open round gets each
+  parameter's new values as soon as the round's groups have all sent it (:mod:`.pipeline`).
+  The ServerApp, with the control token, may download any range at any time (the final model).
 - ``Control`` (the ServerApp): JSON commands carrying the control token (configure, begin,
   status, commit, save, load, shutdown).
 
@@ -35,9 +36,11 @@ from pathlib import Path
 from flower_shard import logs
 from flower_shard.config import choices as C
 from flower_shard.dataplane import control, tickets, wire
+from flower_shard.dataplane.pipeline import Superseded
 
 log = logging.getLogger(__name__)
-MAX_STREAMS = 256  # concurrent calls: beyond this, callers wait (bounded threads and buffers)
+MAX_STREAMS = 512  # concurrent calls, one thread each: beyond this, calls are refused
+MAX_FOLLOWERS = 128  # of which follow a round (they wait for uploads: these must find threads)
 
 
 class DataPlaneService:
@@ -48,6 +51,7 @@ class DataPlaneService:
         self.state = None
         self.run = None
         self.stopped = threading.Event()
+        self.followers = threading.BoundedSemaphore(MAX_FOLLOWERS)
 
     # -- uplink --------------------------------------------------------------------------
 
@@ -76,7 +80,7 @@ class DataPlaneService:
                     break
                 count += 1
         if reason:
-            spool.reject(f"rank {rank}: {reason}")
+            self.state.reject(group, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
             return wire.to_json({"ok": False, "reason": reason})
         return wire.to_json({"ok": True, "frames": count, "complete": spool.complete})
@@ -100,28 +104,48 @@ class DataPlaneService:
             ranges = [(int(p), int(a), int(b)) for p, a, b in req["ranges"]]
             str(req["token"])
             have = int(req.get("have_round", -1))
+            follow, provisional = bool(req.get("follow")), bool(req.get("provisional"))
         except (ValueError, KeyError, TypeError) as exc:
             context.abort(_invalid(), f"malformed download request ({exc})")
         server = hmac.compare_digest(str(req.get("token", "")), tickets.control_token(self.secret))
-        if self.state is None or (not server and (run != self.run or rnd != self.state.open_round)):
+        state = self.state
+        if state is None or (not server and (run != self.run or rnd != state.open_round)):
             context.abort(_denied(), f"round {rnd} of run {run!r} is not open")
         if not server and not tickets.valid(self.secret, run, rnd, group, rank, req["token"]):
             context.abort(_denied(), "a wrong token for this run, round, group and rank")
-        mode = self.state.mode(have)
-        kind = self.state.downlink if mode == "delta" else C.NO_COMPRESSION
+        if follow:
+            mode = state.follow_mode(rnd, have, provisional)
+        else:
+            mode = state.mode(have, provisional)
+        kind = state.downlink if mode == "delta" else C.NO_COMPRESSION
         yield wire.to_json(
             {
                 "mode": mode,
                 "kind": kind,
-                "scale_chunk": self.state.scale_chunk,
-                "round": self.state.round,
+                "scale_chunk": state.scale_chunk,
+                "round": rnd if follow else state.round,
             }
         )
-        for param, start, stop in ranges:
-            try:
-                yield from self.state.frames(param, start, stop, mode)
-            except ValueError as exc:
-                context.abort(_invalid(), str(exc))
+        if follow and not self.followers.acquire(blocking=False):
+            context.abort(
+                _aborted(), f"{MAX_FOLLOWERS} ranks follow already; pull after the commit"
+            )
+        try:
+            for param, start, stop in ranges:
+                if follow:
+                    timeout = state.follow_timeout
+                    yield from state.pipe.follow(
+                        rnd, param, start, stop, mode, timeout, context.is_active
+                    )
+                else:
+                    yield from state.frames(param, start, stop, mode)
+        except ValueError as exc:
+            context.abort(_invalid(), str(exc))
+        except Superseded as exc:
+            context.abort(_aborted(), str(exc))
+        finally:
+            if follow:
+                self.followers.release()
 
     # -- the ServerApp -------------------------------------------------------------------
 
@@ -147,6 +171,12 @@ def _invalid():
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _aborted():
+    import grpc
+
+    return grpc.StatusCode.ABORTED
+
+
 def _denied():
     import grpc
 
@@ -164,7 +194,7 @@ def serve(listen: str, secret: str, work_dir: Path, tls: tuple[bytes, bytes] | N
         wire.CONTROL: grpc.unary_unary_rpc_method_handler(service.control),
     }
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32),
+        futures.ThreadPoolExecutor(max_workers=MAX_STREAMS),
         options=wire.GRPC_OPTIONS,
         maximum_concurrent_rpcs=MAX_STREAMS,
     )

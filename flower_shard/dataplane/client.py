@@ -10,6 +10,7 @@ compression lost and adds it to the next round's update (error feedback, per ran
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -121,42 +122,30 @@ class RankLink:
         return summaries
 
     def download(
-        self, ranges: list[tuple[int, int, int]], layout: Layout, have_round: int, sink=None
+        self,
+        ranges: list[tuple[int, int, int]],
+        layout: Layout,
+        have_round: int,
+        sink=None,
+        *,
+        follow: bool = False,
+        provisional: bool = False,
     ) -> tuple[str, int, dict[tuple[int, int], np.ndarray]]:
         """``(mode, global round, {(param, start): values})`` for the element ranges
         ``(param, start, stop)``: ``full`` values, or the ``delta`` since round ``have_round``.
 
         ``sink(mode, param, start, values)``, when given, takes each chunk as it arrives (to
-        copy it into place) and the dict stays empty: nothing of the model is held twice."""
+        copy it into place) and the dict stays empty: nothing of the model is held twice.
+        ``follow``: the ticket's round as its parameters are folded (:mod:`.pipeline`);
+        ``provisional``: ``have_round`` was followed and may not have been kept."""
         by_owner: dict[int, list] = {}
         for r in ranges:
             by_owner.setdefault(layout.params[r[0]].owner, []).append(list(r))
-
-        def fetch(owner: int):
-            import grpc
-
-            req = self._ident() | {"ranges": by_owner[owner], "have_round": have_round}
-            call = self.channels[owner].unary_stream(f"/{wire.SERVICE}/{wire.DOWNLOAD}")
-            out = {}
-            try:
-                stream = call(wire.to_json(req))
-                head = wire.from_json(next(stream))
-                for frame in stream:
-                    param, start, _ = wire.decode_header(frame)
-                    values = wire.decode_values(frame, head["kind"], head["scale_chunk"])
-                    if sink is None:
-                        out[(param, start)] = values.copy()  # not a view of the frame
-                    else:
-                        sink(head["mode"], param, start, values)
-            except grpc.RpcError as exc:
-                raise DataPlaneError(
-                    f"aggregator {self.ticket.addresses[owner]}: download: {exc.code().name} "
-                    f"{exc.details()}"
-                ) from None
-            return head, out
-
+        fetch = _Fetches(self, have_round, sink, follow=follow, provisional=provisional)
         with futures.ThreadPoolExecutor(max(1, len(by_owner))) as pool:
-            results = list(pool.map(fetch, sorted(by_owner)))
+            results = list(pool.map(lambda o: fetch(o, by_owner[o]), sorted(by_owner)))
+        if fetch.failed:
+            raise DataPlaneError(fetch.failed[0])
         modes = {(h["mode"], h["round"]) for h, _ in results}
         if len(modes) != 1:
             raise DataPlaneError(f"aggregators answered in different states: {sorted(modes)}")
@@ -168,6 +157,49 @@ class RankLink:
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
+
+
+class _Fetches:
+    """One download's streams, one per aggregator: the first that fails ends the others at
+    once (a follower voided by one aggregator need not wait for the rest)."""
+
+    def __init__(self, link: RankLink, have_round: int, sink, **flags):
+        self.link, self.have_round, self.sink, self.flags = link, have_round, sink, flags
+        self.streams, self.failed = {}, []
+        self.lock = threading.Lock()
+
+    def __call__(self, owner: int, ranges: list) -> tuple[dict | None, dict]:
+        import grpc
+
+        link = self.link
+        req = link._ident() | {"ranges": ranges, "have_round": self.have_round} | self.flags
+        call = link.channels[owner].unary_stream(f"/{wire.SERVICE}/{wire.DOWNLOAD}")
+        out = {}
+        try:
+            stream = call(wire.to_json(req))
+            with self.lock:
+                self.streams[owner] = stream
+                if self.failed:
+                    stream.cancel()
+            head = wire.from_json(next(stream))
+            for frame in stream:
+                param, start, _ = wire.decode_header(frame)
+                values = wire.decode_values(frame, head["kind"], head["scale_chunk"])
+                if self.sink is None:
+                    out[(param, start)] = values.copy()  # not a view of the frame
+                else:
+                    self.sink(head["mode"], param, start, values)
+        except grpc.RpcError as exc:
+            with self.lock:
+                if not self.failed:  # the cause, not the cancellations it led to
+                    address = link.ticket.addresses[owner]
+                    self.failed.append(
+                        f"aggregator {address}: download: {exc.code().name} {exc.details()}"
+                    )
+                    for other in self.streams.values():
+                        other.cancel()
+            return None, out
+        return head, out
 
 
 def _call(call, request, owner: int, addresses):

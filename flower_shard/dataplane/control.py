@@ -3,7 +3,8 @@
 Every command carries the control token (:func:`~.tickets.control_token` of the run secret);
 anything else is refused. ``configure`` gives the aggregator its part of the model (layout,
 index, compression, outer optimizer, and how to build the first global weights); ``begin``
-opens a round for uploads; ``status`` says which groups completed their upload, with what
+opens a round for uploads; ``expect`` names the groups the round was sent to (the pipelined
+commit, :mod:`.pipeline`); ``status`` says which groups completed their upload, with what
 weight and squared norm (the ServerApp checks them against the groups' Flower replies);
 ``commit`` folds the accepted groups and takes the outer step; ``save`` / ``load`` checkpoint
 the aggregator's state; ``shutdown`` stops it.
@@ -39,6 +40,9 @@ def handle(service, cmd: dict) -> dict:
     state = service.state
     if op == "begin":
         state.begin(int(cmd["round"]))
+        return {"ok": True}
+    if op == "expect":
+        state.expect(int(cmd["round"]), [int(g) for g in cmd["groups"]])
         return {"ok": True}
     if op == "status":
         return {"ok": True, "groups": {str(g): s for g, s in state.status().items()}}
@@ -80,6 +84,7 @@ def _configure(service, cmd: dict) -> dict:
         outer=str(cmd["outer"]),
         outer_lr=float(cmd["outer_lr"]),
         outer_momentum=float(cmd["outer_momentum"]),
+        follow_timeout=float(cmd.get("follow_timeout", 600.0)),
     )
     service.run = str(cmd["run"])
     log.info("aggregator %d of %d: %d parameters", index, layout.aggregators, len(owned))

@@ -113,6 +113,10 @@ class AggregatorPool:
         for client in self.clients:
             client("begin", timeout=self.call_timeout, round=rnd)
 
+    def expect(self, rnd: int, groups: list[int]) -> None:
+        for client in self.clients:
+            client("expect", timeout=self.call_timeout, round=rnd, groups=sorted(groups))
+
     def status(self) -> dict[int, list[dict]]:
         """Group -> its status on every aggregator (a group absent from one is not complete)."""
         out: dict[int, list[dict]] = {}

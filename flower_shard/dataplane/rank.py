@@ -10,6 +10,13 @@ take the view's values, in place. At the end of the round it pushes ``view - loc
 chunk (computed per chunk: no second copy of the shard), through the uplink encoder (error
 feedback per rank when compressed).
 
+Pipelined commit (:mod:`.pipeline`): while it pushes, the rank *follows* the round on a second
+connection, in a thread: each parameter's new values come into the view as soon as every group
+has sent that parameter (the push has read it by then, so the view it subtracts from is never
+changed under it; the shards are not touched from the thread). The next pull waits for that
+thread, then asks whether the round was committed as followed: if so the shards take the view
+(``current``), else a full snapshot comes.
+
 HSDP: the R replicas of a shard hold it bit-identically, so only replica 0 pulls and pushes;
 it broadcasts what it pulled to the other replicas over the replicate process group (the fast
 tier), and the group sends its shard across the slow link once.
@@ -17,10 +24,15 @@ tier), and the group sends its shard across the slow link once.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 
-from flower_shard.dataplane.client import RankLink, UplinkEncoder
+from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
 from flower_shard.dataplane.layout import Layout, local_range
+
+log = logging.getLogger(__name__)
 
 
 class _Delta:
@@ -69,7 +81,11 @@ class RankExchange:
         self.encoder = UplinkEncoder(kind, scale_chunk, feedback)
         self.view = {i: np.zeros(stop - start, np.float32) for i, _, start, stop in self.pieces}
         self.have_round = -1
+        self.provisional = False
+        """Whether ``have_round`` was followed and not yet confirmed as committed."""
         self.replicate_pg = replicate_pg
+        self._follower: threading.Thread | None = None
+        self._followed: int | None = None
 
     @property
     def leader(self) -> bool:
@@ -79,30 +95,81 @@ class RankExchange:
     def ranges(self) -> list[tuple[int, int, int]]:
         return [(i, start, stop) for i, _, start, stop in self.pieces]
 
+    def _into_view(self, how: str, param: int, start: int, values: np.ndarray) -> np.ndarray:
+        """Put a downloaded chunk into the view; the view's slice it changed."""
+        at = start - self._starts[param]
+        view = self.view[param][at : at + values.size]
+        if how == "delta":
+            view += values
+        else:
+            view[:] = values
+        return view
+
+    @property
+    def _starts(self) -> dict[int, int]:
+        return {i: start for i, _, start, _ in self.pieces}
+
+    def follow(self, link: RankLink) -> None:
+        """Start following the round on ``link`` (a link of its own, closed when done)."""
+        if not self.leader:
+            link.close()
+            return
+
+        have, provisional = self.have_round, self.provisional
+
+        def run() -> None:
+            try:
+                _, rnd, _ = link.download(
+                    self.ranges(),
+                    self.layout,
+                    have,
+                    sink=self._into_view,
+                    follow=True,
+                    provisional=provisional,
+                )
+                self._followed = rnd
+            except DataPlaneError as exc:
+                log.info("following the round: %s", exc)
+                self._followed = None
+            finally:
+                link.close()
+
+        self._followed = None
+        self.have_round = -1  # the view changes under the thread: until it is done, unknown
+        self._follower = threading.Thread(target=run, name="follow", daemon=True)
+        self._follower.start()
+
+    def _join_follower(self) -> None:
+        if self._follower is None:
+            return
+        self._follower.join()
+        self._follower = None
+        if self._followed is not None:
+            self.have_round, self.provisional = self._followed, True
+
     def pull(self, link: RankLink | None) -> str:
         """Load the global model into the shards (and the view); the mode it came in."""
         import torch
 
         mode = "none"
         if self.leader:
-            starts = {i: start for i, _, start, _ in self.pieces}
+            self._join_follower()
             locals_ = {i: local for i, local, _, _ in self.pieces}
 
             def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
+                view = self._into_view(how, param, start, values)
                 at = start - starts[param]
-                view = self.view[param]
-                if how == "delta":
-                    view[at : at + values.size] += values
-                else:
-                    view[at : at + values.size] = values
                 target = locals_[param][at : at + values.size]
-                target.copy_(torch.from_numpy(view[at : at + values.size]).to(target.device))
+                target.copy_(torch.from_numpy(view).to(target.device))
 
-            mode, rnd, _ = link.download(self.ranges(), self.layout, self.have_round, sink=sink)
+            starts = self._starts
+            mode, rnd, _ = link.download(
+                self.ranges(), self.layout, self.have_round, sink=sink, provisional=self.provisional
+            )
             if mode == "current":  # nothing new: back to the global model it already holds
                 for i, local, _, _ in self.pieces:
                     local.copy_(torch.from_numpy(self.view[i]).to(local.device))
-            self.have_round = rnd
+            self.have_round, self.provisional = rnd, False
         if self.replicate_pg is not None:
             self._share_with_replicas()
         return mode

@@ -9,6 +9,9 @@ refused); a group is complete when its frames cover every element of every owned
 exactly once. Only complete groups that the ServerApp accepts are folded, in group order
 (:meth:`GroupSpool.fold_into`), so a group that failed or was rejected mid-stream never
 reaches the mean, and the mean is the same bit for bit whatever order the streams arrived in.
+The spool also knows where each parameter's frames lie in its file, so a parameter that every
+expected group has sent whole can be folded before the rest arrive (the pipelined commit,
+:mod:`.state`): :meth:`GroupSpool.fold_param_into`, the same float32 operations per element.
 
 Cost: each accepted group's update is written once and read once per round on the aggregator's
 disk (compressed as it travelled: 1/4 of float32 for int8).
@@ -34,7 +37,9 @@ RECORD = struct.Struct("<I")  # length of the frame that follows
 class GroupSpool:
     """The frames one group sent to this aggregator in one round."""
 
-    def __init__(self, path: Path, owned: dict[int, Param], kind: str, scale_chunk: int):
+    def __init__(
+        self, path: Path, owned: dict[int, Param], kind: str, scale_chunk: int, on_param=None
+    ):
         self.path = path
         self.owned, self.kind, self.scale_chunk = owned, kind, scale_chunk
         self.expected = sum(p.numel for p in owned.values())
@@ -45,6 +50,11 @@ class GroupSpool:
         self.rejected: str | None = None
         self.bytes = 0
         self._ranges: dict[int, list[tuple[int, int]]] = {}
+        self._counts: dict[int, int] = {}  # values received per parameter
+        self._where: dict[int, list[tuple[int, int]]] = {}  # parameter -> (file offset, size)
+        self._end = 0
+        self.on_param = on_param
+        """Called with a parameter's index once this group sent all of its values here."""
         self._lock = threading.Lock()
         self._fh = open(path, "wb")
 
@@ -93,10 +103,20 @@ class GroupSpool:
                 return reason
             self._fh.write(RECORD.pack(len(frame)))
             self._fh.write(frame)
+            self._where.setdefault(param, []).append((self._end + RECORD.size, len(frame)))
+            self._end += RECORD.size + len(frame)
+            self._counts[param] = done = self._counts.get(param, 0) + count
             self.received += count
             self.sq_norm += sq
             self.bytes += len(frame)
+        if done == p.numel and self.on_param is not None:
+            self.on_param(param)
         return None
+
+    def has_param(self, param: int) -> bool:
+        """Whether every value of ``param`` came (each exactly once) and the group stands."""
+        p = self.owned[param]
+        return self.rejected is None and self._counts.get(param, 0) == p.numel
 
     def _claim(self, param: int, start: int, stop: int, name: str) -> str | None:
         ranges = self._ranges.setdefault(param, [])
@@ -121,27 +141,55 @@ class GroupSpool:
     def fold_into(self, acc: np.ndarray, offsets: dict[int, int], scale: np.float32) -> None:
         """``acc[param's slice] += scale x values`` for every frame, in the order they came."""
         self.close()
-        buf, scaled = bytearray(), np.empty(0, np.float32)  # reused for every frame
+        fold = _Fold(acc, offsets, scale, self.kind, self.scale_chunk)
         with open(self.path, "rb") as fh:
             while True:
                 head = fh.read(RECORD.size)
                 if not head:
                     return
-                size = RECORD.unpack(head)[0]
-                if len(buf) < size:
-                    buf = bytearray(size)
-                frame = memoryview(buf)[:size]
-                if fh.readinto(frame) != size:
-                    raise OSError(f"{self.path} ends inside a frame (truncated spool)")
-                param, start, count = wire.decode_header(frame)
-                values = wire.decode_values(frame, self.kind, self.scale_chunk)
-                if scaled.size < count:
-                    scaled = np.empty(count, np.float32)
-                np.multiply(values, scale, out=scaled[:count])  # the same float32 ops as
-                at = offsets[param] + start  # acc += scale * values, without temporaries
-                np.add(acc[at : at + count], scaled[:count], out=acc[at : at + count])
+                fold.frame(fh, RECORD.unpack(head)[0], self.path)
+
+    def fold_param_into(
+        self, acc: np.ndarray, offsets: dict[int, int], param: int, scale: np.float32
+    ) -> None:
+        """:meth:`fold_into` for the frames of ``param`` alone (while others still arrive)."""
+        with self._lock:
+            if self.rejected:
+                raise OSError(f"the group was rejected: {self.rejected}")
+            self._fh.flush()
+            where = list(self._where.get(param, []))
+        fold = _Fold(acc, offsets, scale, self.kind, self.scale_chunk)
+        with open(self.path, "rb") as fh:
+            for offset, size in where:
+                fh.seek(offset)
+                fold.frame(fh, size, self.path)
 
     def delete(self) -> None:
         self.close()
         if self.path.exists():
             os.unlink(self.path)
+
+
+class _Fold:
+    """Adds ``scale x values`` of frames read from a spool into ``acc``, through one reused
+    read buffer and one scratch array (no allocation per frame)."""
+
+    def __init__(self, acc, offsets, scale, kind, scale_chunk):
+        self.acc, self.offsets, self.scale = acc, offsets, scale
+        self.kind, self.scale_chunk = kind, scale_chunk
+        self.buf, self.scaled = bytearray(), np.empty(0, np.float32)
+
+    def frame(self, fh, size: int, path: Path) -> None:
+        if len(self.buf) < size:
+            self.buf = bytearray(size)
+        frame = memoryview(self.buf)[:size]
+        if fh.readinto(frame) != size:
+            raise OSError(f"{path} ends inside a frame (truncated spool)")
+        param, start, count = wire.decode_header(frame)
+        values = wire.decode_values(frame, self.kind, self.scale_chunk)
+        if self.scaled.size < count:
+            self.scaled = np.empty(count, np.float32)
+        scaled, acc = self.scaled[:count], self.acc
+        np.multiply(values, self.scale, out=scaled)  # the same float32 ops as acc += scale *
+        at = self.offsets[param] + start  # values, without temporaries
+        np.add(acc[at : at + count], scaled, out=acc[at : at + count])

@@ -14,6 +14,19 @@ slice decodes the same for any K) and advances ``view += decode(delta)``: what t
 lost stays in ``global - view`` and goes out with the next delta (server-side error feedback).
 A group whose last global round is not the previous one (new, rejoining, or after a resume)
 gets a full float32 snapshot of ``view`` instead.
+
+Pipelined commit (:mod:`.pipeline`): with the round's groups named (:meth:`expect`), a
+parameter is folded as soon as every one of them has sent it whole, and ranks that follow the
+round download its new values at once, computed from the fold without touching the state, while
+the other parameters still arrive. The commit applies the same element-wise outer step, so what
+they downloaded is the committed model bit for bit, unless the ServerApp accepts other groups
+(one died or was rejected): then the round is folded again from the spools and the followers'
+copies are void (:meth:`mode` sends them a full snapshot).
+
+The outer step is element-wise float32 arithmetic, one rounding per operation (numpy ufuncs: no
+fused multiply-add), so its result for an element does not depend on how the values are cut
+into chunks: fedavg ``w - g``; nesterov (torch SGD's update, dampening 0) ``m = mu m + g``,
+``w = w - lr (g + mu m)`` with ``g`` the mean pseudo-gradient.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import numpy as np
 from flower_shard.config import choices as C
 from flower_shard.dataplane import wire
 from flower_shard.dataplane.layout import Layout, Param
+from flower_shard.dataplane.pipeline import Pipeline
 from flower_shard.dataplane.spool import GroupSpool
 
 log = logging.getLogger(__name__)
@@ -49,6 +63,8 @@ class AggregatorState:
         ``int8``) and the int8 block size.
     outer, outer_lr, outer_momentum
         The outer optimizer (``fedavg`` or ``nesterov``) applied to the mean pseudo-gradient.
+    follow_timeout
+        Seconds a rank that follows a round waits for a parameter's fold.
     """
 
     def __init__(
@@ -64,6 +80,7 @@ class AggregatorState:
         outer: str = C.FEDAVG,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        follow_timeout: float = 600.0,
     ):
         import torch
 
@@ -88,6 +105,8 @@ class AggregatorState:
         )
         del flat
         self.uplink, self.downlink, self.scale_chunk = uplink, downlink, scale_chunk
+        self.follow_timeout = follow_timeout
+        """Seconds a follower waits for a parameter (then it pulls after the commit)."""
         self.view = self.weights.copy() if downlink != C.NO_COMPRESSION else None
         self.delta: tuple[np.ndarray, np.ndarray] | None = None
         self.delta_round = -1
@@ -99,7 +118,13 @@ class AggregatorState:
         # the fold's accumulator, for the whole run, touched now: a fresh array costs seconds
         # of first-touch page faults per GB (gVisor-like sandboxes), not to be paid in a round
         self._acc = np.full(self.numel, 0.0, dtype=np.float32)  # written, so every page mapped
-        self._lock = threading.Lock()
+        buffers = self.outer.buffers()
+        self.momentum = buffers["momentum"].numpy() if "momentum" in buffers else None
+        group = self.outer._sgd.param_groups[0] if self.outer._sgd is not None else {}
+        self.lr = np.float32(group.get("lr", 1.0))
+        self.mu = np.float32(group.get("momentum", 0.0))
+        self._lock = threading.Condition()
+        self.pipe = Pipeline(self)
 
     @property
     def weights(self) -> np.ndarray:
@@ -117,13 +142,36 @@ class AggregatorState:
             shutil.rmtree(self.spool_dir, ignore_errors=True)
             self.spool_dir.mkdir(parents=True, exist_ok=True)
             self.open_round = rnd
+            self.pipe.reset()
+            self._lock.notify_all()  # followers of an older round give up
+
+    def expect(self, rnd: int, groups: list[int]) -> None:
+        """The groups the ServerApp sent round ``rnd`` to: the pipelined commit folds a
+        parameter once all of them sent it."""
+        with self._lock:
+            if rnd != self.open_round:
+                open_ = self.open_round
+                raise ValueError(f"groups expected in round {rnd}, but round {open_} is open")
+            self.pipe.expect(groups)
 
     def spool(self, group: int) -> GroupSpool:
         with self._lock:
             if group not in self.spools:
                 path = self.spool_dir / f"group_{group}.bin"
-                self.spools[group] = GroupSpool(path, self.by_index, self.uplink, self.scale_chunk)
+                self.spools[group] = GroupSpool(
+                    path,
+                    self.by_index,
+                    self.uplink,
+                    self.scale_chunk,
+                    on_param=self.pipe.arrived,
+                )
             return self.spools[group]
+
+    def reject(self, group: int, reason: str) -> None:
+        """Drop ``group``'s upload of this round (a bad frame)."""
+        self.spool(group).reject(reason)
+        with self._lock:
+            self.pipe.abandon(f"group {group} was rejected")
 
     def status(self) -> dict[int, dict]:
         """Per group that streamed this round: complete, weight, squared norm, bytes, reason."""
@@ -142,26 +190,62 @@ class AggregatorState:
 
     def commit(self, rnd: int, accepted: dict[int, float]) -> dict:
         """Fold the accepted complete groups (group -> weight) in group order, take the outer
-        step, and prepare the downlink. With none accepted the global weights stay."""
-        import torch
+        step, and prepare the downlink. With none accepted the global weights stay. When the
+        pipelined fold already holds exactly these groups with these weights, it is kept."""
+        with self._lock:
+            if rnd != self.open_round:
+                raise ValueError(f"commit of round {rnd}, but round {self.open_round} is open")
+            missing = [g for g in accepted if g not in self.spools or not self.spools[g].complete]
+            if missing:
+                raise ValueError(f"groups {missing} did not complete their upload here")
+            kept = self.pipe.matches(accepted)
+            if accepted and not kept:
+                total = total_of(accepted)
+                self._acc.fill(0.0)
+                for g in sorted(accepted):
+                    scale = np.float32(accepted[g] / total)
+                    self.spools[g].fold_into(self._acc, self.offsets, scale)
+            if accepted:
+                self._step_in_place()
+            for spool in self.spools.values():
+                spool.delete()
+            self.spools = {}
+            self.round = rnd
+            self.pipe.committed(rnd, kept)
+            how = "the pipelined fold kept" if kept else "folded from the spools"
+            log.info("round %d: committed groups %s, %s", rnd, sorted(accepted), how)
+            self._encode_delta()
+            self._lock.notify_all()
+        return {"round": rnd, "groups": sorted(accepted), "weight": total_of(accepted)}
 
-        if rnd != self.open_round:
-            raise ValueError(f"commit of round {rnd}, but round {self.open_round} is open")
-        missing = [g for g in accepted if g not in self.spools or not self.spools[g].complete]
-        if missing:
-            raise ValueError(f"groups {missing} did not complete their upload here")
-        total = float(sum(accepted.values()))
-        if accepted:
-            self._acc.fill(0.0)
-            for g in sorted(accepted):
-                self.spools[g].fold_into(self._acc, self.offsets, np.float32(accepted[g] / total))
-            self.outer.apply(torch.from_numpy(self._acc))  # pseudo-grad: global - mean(local)
-        for spool in self.spools.values():
-            spool.delete()
-        self.spools = {}
-        self.round = rnd
-        self._encode_delta()
-        return {"round": rnd, "groups": sorted(accepted), "weight": total}
+    # -- the outer step, element-wise (see the module docstring) --------------------------
+
+    def stepped(self, lo: int, hi: int) -> np.ndarray:
+        """The new global weights of flat elements ``[lo, hi)`` from the fold in the
+        accumulator, without changing anything."""
+        w, g = self.weights[lo:hi], self._acc[lo:hi]
+        if self.momentum is None:
+            return np.subtract(w, g)
+        return self._nesterov(w, g, self.momentum[lo:hi], np.empty_like(g))[0]
+
+    def _nesterov(self, w, g, m, m_out) -> tuple[np.ndarray, np.ndarray]:
+        np.multiply(m, self.mu, out=m_out)
+        np.add(m_out, g, out=m_out)  # m' = mu m + g
+        step = np.multiply(m_out, self.mu)
+        np.add(step, g, out=step)  # g + mu m' (nesterov)
+        np.multiply(step, self.lr, out=step)
+        return np.subtract(w, step, out=step), m_out
+
+    def _step_in_place(self) -> None:
+        for lo in range(0, self.numel, wire.CHUNK_VALUES):
+            hi = min(self.numel, lo + wire.CHUNK_VALUES)
+            w, g = self.weights[lo:hi], self._acc[lo:hi]
+            if self.momentum is None:
+                np.subtract(w, g, out=w)
+            else:
+                m = self.momentum[lo:hi]
+                new, _ = self._nesterov(w, g, m, m)
+                w[:] = new
 
     def _encode_delta(self) -> None:
         if self.view is None:
@@ -181,15 +265,28 @@ class AggregatorState:
 
     # -- downlink ------------------------------------------------------------------------
 
-    def mode(self, have_round: int) -> str:
+    def mode(self, have_round: int, provisional: bool = False) -> str:
         """``current`` for a rank that already holds the last committed round's model (it
-        evaluated it), ``delta`` for one whose last global model is the round before (with a
-        compressed downlink), else ``full``."""
+        evaluated it, or followed the round and the commit kept what it followed), ``delta``
+        for one whose last global model is the round before (with a compressed downlink), else
+        ``full``."""
+        if provisional and not self.pipe.kept(have_round):
+            return "full"
         if have_round == self.round and have_round >= 0:
             return "current"
         if self.view is not None and self.delta is not None and have_round == self.delta_round - 1:
             return "delta"
         return "full"
+
+    def follow_mode(self, rnd: int, have_round: int, provisional: bool = False) -> str:
+        """The mode of a follower of round ``rnd`` (see :meth:`mode`): ``delta`` for a rank that
+        holds the model the round starts from, with a compressed downlink."""
+        if self.round >= rnd:  # committed already: what any pull would get
+            return self.mode(have_round, provisional)
+        if provisional and not self.pipe.kept(have_round):
+            return "full"
+        in_sync = have_round >= 0 and have_round == self.round == self.delta_round
+        return "delta" if self.view is not None and in_sync else "full"
 
     def frames(self, param: int, start: int, stop: int, mode: str):
         """Frames of parameter ``param``'s elements ``[start, stop)``: the encoded delta
@@ -214,3 +311,8 @@ class AggregatorState:
                 )
             else:
                 yield wire.encode_chunk(param, a, source[at + a : at + b], C.NO_COMPRESSION, 1)
+
+
+def total_of(accepted: dict[int, float]) -> float:
+    """The accepted groups' total weight, summed in group order."""
+    return float(sum(accepted[g] for g in sorted(accepted)))

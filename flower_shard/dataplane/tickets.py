@@ -58,6 +58,9 @@ class Ticket:
     layout: str = ""
     """The digest of the server's layout (:meth:`~.layout.Layout.digest`): a group whose model
     is cut otherwise (another vocabulary) refuses to stream instead of sending garbage."""
+    follow: bool = False
+    """Whether the ranks download the round's new values while they upload (the pipelined
+    commit, :mod:`.pipeline`)."""
 
     def to_config(self) -> dict:
         return {
@@ -68,6 +71,7 @@ class Ticket:
             "addresses": ",".join(self.addresses),
             "tls": self.tls,
             "layout": self.layout,
+            "follow": self.follow,
         }
 
     @classmethod
@@ -80,4 +84,5 @@ class Ticket:
             addresses=tuple(a for a in str(config["addresses"]).split(",") if a),
             tls=bool(config["tls"]),
             layout=str(config.get("layout", "")),
+            follow=bool(config.get("follow", False)),
         )

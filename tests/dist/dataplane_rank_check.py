@@ -1,7 +1,8 @@
 """Under torchrun: one group of the tiny model (FSDP, or HSDP when argv says so) pulls the global
 model from real aggregators, moves its weights, pushes its pseudo-gradient, and pulls again.
 
-argv: ADDRESSES SECRET ROUND SHARDING OUT_DIR. Writes, from rank 0, what the group held after
+argv: ADDRESSES SECRET ROUND SHARDING FOLLOW OUT_DIR (FOLLOW ``follow``: the rank follows the round
+while it pushes, the pipelined commit). Writes, from rank 0, what the group held after
 each pull (full tensors, gathered with DTensor.full_tensor) and what it pushed.
 """
 
@@ -22,7 +23,7 @@ from flower_shard.runtime.parallelize import parallelize
 from flower_shard.runtime.topology import Topology
 from flower_shard.runtime.distributed import exit_now, shutdown
 
-addresses, secret, first, sharding, out = sys.argv[1:6]
+addresses, secret, first, sharding, follow, out = sys.argv[1:7]
 first = int(first)
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 world = dist.get_world_size()
@@ -48,6 +49,8 @@ with torch.no_grad():
     for p in model.parameters():
         p.mul_(0.5)  # a deterministic "training": the pseudo-gradient is half the weights
 moved = full_state(model)
+if follow == "follow":
+    ex.follow(link(first))
 ex.push(link(first), weight=100.0)
 dist.barrier()
 if dist.get_rank() == 0:

@@ -85,6 +85,8 @@ class StreamExchange:
 
         def push() -> None:
             link = self._link(config)
+            if link.ticket.follow:  # the new values come back while the update goes out
+                self.exchange.follow(self._link(config))
             self.exchange.encoder.sent_bytes = 0
             self.exchange.encoder.on_frame = on_frame
             try:

@@ -257,6 +257,7 @@ class ShardedFedAvg(Strategy):
         self.transport.admit(messenger)
         self.transport.begin_round(plan.round)
         messages = list(self.configure_train(plan.round, arrays, round_config, messenger.grid))
+        self.transport.sending(plan.round, messages)
         budget = f"as many as fit in {plan.seconds:g} s, at most" if plan.seconds else "each"
         log(INFO, "configure_train: %d group(s), %s %d steps", len(messages), budget, plan.steps)
         sent = sum(m.content[P.ARRAYS].count_bytes() for m in messages if P.ARRAYS in m.content)

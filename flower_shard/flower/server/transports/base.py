@@ -118,6 +118,10 @@ class Transport(ABC):
         none does)."""
         return None
 
+    def sending(self, server_round: int, messages: list[Message]) -> None:
+        """The round's train messages, built and about to be sent (default: nothing to note)."""
+        return None
+
     def seat(self, members: list[int]) -> None:
         """The round's members, in the order of their messages (default: nothing to note)."""
         return None

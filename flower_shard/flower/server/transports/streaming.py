@@ -10,7 +10,9 @@ optimizer state (:mod:`flower_shard.dataplane`). Every round:
 3. every rank of every group pulls its shard of the global model, trains, and pushes its
    pseudo-gradient, chunk by chunk, straight to the aggregators (nothing through SuperLink,
    SuperNode or ClientApp), then the group replies over Flower with its metrics, its token
-   count among them;
+   count among them. With ``pipelined-commit`` the aggregators know the round's groups
+   (:meth:`sending`) and fold each parameter once all of them sent it, and the ranks
+   download the new values while they push (:mod:`flower_shard.dataplane.pipeline`);
 4. :meth:`screen` checks each valid reply against what the aggregators received: every
    aggregator has the group's complete upload, declared with the same token count; then the
    robust rules on those weights and the norms the aggregators measured;
@@ -96,6 +98,7 @@ class StreamingTransport(Transport):
             "outer": t.outer,
             "outer_lr": t.outer_lr,
             "outer_momentum": t.outer_momentum,
+            "follow_timeout": fed.round_timeout,
         }
         init = {"kind": "model", "model": t.model, "vocab_size": self.vocab_size, "seed": t.seed}
         self.pool.configure(self.run, self.layout, settings, init | {"seq_len": t.seq_len})
@@ -118,6 +121,12 @@ class StreamingTransport(Transport):
         self._status = {}
         self.pool.begin(server_round)
 
+    def sending(self, server_round: int, messages: list) -> None:
+        """Name the round's groups to the aggregators (the pipelined commit waits for them)."""
+        if self.fed.pipelined_commit:
+            groups = [int(m.content[P.CONFIG][P.GROUP_INDEX]) for m in messages]
+            self.pool.expect(server_round, groups)
+
     def node_config(
         self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
     ) -> dict:
@@ -130,6 +139,7 @@ class StreamingTransport(Transport):
             tuple(self.pool.addresses),
             tls=not self.fed.dataplane_insecure,
             layout=self.layout.digest(),
+            follow=self.fed.pipelined_commit,
         )
         return {P.TICKET: json.dumps(ticket.to_config())}
 

@@ -1,0 +1,185 @@
+"""The pipelined commit: fold each parameter as soon as the round's groups have all sent it, and
+serve its new values to the ranks that follow the round, while the rest still arrives.
+
+Across sites the synchronous order (every upload, then the commit, then every download) uses
+one direction of a site link at a time: a group's upload crosses it one way, then its download
+the other way, so the exchange takes about twice one transfer, where a ring all-reduce sends
+both ways at once. Pipelined, a rank opens a *follow* download as it starts its upload; the
+aggregator streams it each parameter's new values once every expected group's upload of that
+parameter is complete, so the download runs one parameter behind the upload and the exchange
+takes about one transfer plus one parameter.
+
+What the followers get is provisional: the ServerApp still screens the groups' replies (token
+counts, norms, robust rules) before it commits. The fold is made with the weights the groups
+declared in their streams and the new values are computed from it without touching the state,
+so nothing needs undoing: if the commit accepts exactly the expected groups with those weights,
+the fold is kept, the same element-wise outer step makes the committed model, and the
+followers already hold it bit for bit (their next pull is answered ``current``). Otherwise the
+commit folds the accepted groups again from the spools, and the followers' copies are void:
+their next pull gets a full snapshot. A follow stream whose round can no longer be kept (an
+expected group was rejected, the commit left one out, a newer round began, or it waited past
+its timeout) ends with ``ABORTED``.
+
+Memory: nothing beyond the aggregator's own accumulator (the fold lands where the commit's
+would); a frame's provisional values are computed per chunk (one chunk of float32, plus one for
+nesterov's momentum and, with a compressed downlink, one for the quantized delta).
+Cost: a parameter is folded while others still arrive, from its frames in the spools; the
+commit then only takes the outer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from flower_shard.config import choices as C
+from flower_shard.dataplane import wire
+
+log = logging.getLogger(__name__)
+
+
+class Superseded(Exception):
+    """The round a follower asked for will not be (or was not) committed as folded."""
+
+
+class Pipeline:
+    """The pipelined fold of one :class:`~.state.AggregatorState` (its lock guards this)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.kept_round = -1
+        """The last round whose commit kept the pipelined fold."""
+        self.reset()
+
+    def reset(self) -> None:
+        self.expected: list[int] | None = None
+        self.ready: set[int] = set()
+        self.weights: dict[int, float] | None = None
+        self.void: str | None = None
+
+    def expect(self, groups: list[int]) -> None:
+        self.expected = sorted({int(g) for g in groups})
+        for param in self.state.by_index:  # uploads that came before the list did
+            self.arrived(param)
+
+    def abandon(self, reason: str) -> None:
+        if self.expected is not None and self.void is None:
+            self.void = reason
+            log.info("round %s: no pipelined commit: %s", self.state.open_round, reason)
+            self.state._lock.notify_all()
+
+    def arrived(self, param: int) -> None:
+        """A group sent all of ``param``: fold it if every expected group has."""
+        state = self.state
+        with state._lock:
+            if self.expected is None or self.void or param in self.ready:
+                return
+            spools = [state.spools.get(g) for g in self.expected]
+            if any(s is None or not s.has_param(param) for s in spools):
+                return
+            weights = {g: s.weight for g, s in zip(self.expected, spools)}
+            total = float(sum(weights[g] for g in self.expected))
+            if not (math.isfinite(total) and total > 0 and all(w > 0 for w in weights.values())):
+                self.abandon(f"declared weights {weights}")
+                return
+            at, n = state.offsets[param], state.by_index[param].numel
+            state._acc[at : at + n].fill(0.0)
+            try:
+                for g, spool in zip(self.expected, spools):
+                    scale = np.float32(weights[g] / total)
+                    spool.fold_param_into(state._acc, state.offsets, param, scale)
+            except OSError as exc:
+                self.abandon(str(exc))
+                return
+            self.ready.add(param)
+            self.weights = weights
+            state._lock.notify_all()
+
+    def matches(self, accepted: dict[int, float]) -> bool:
+        """Whether the pipelined fold is exactly the commit of ``accepted``."""
+        return (
+            self.void is None
+            and self.weights is not None
+            and len(self.ready) == len(self.state.by_index)
+            and accepted == self.weights
+        )
+
+    def committed(self, rnd: int, kept: bool) -> None:
+        if kept:
+            self.kept_round = rnd
+        elif self.expected is not None:
+            self.abandon("the commit accepted other groups")
+
+    def kept(self, rnd: int) -> bool:
+        return rnd >= 0 and rnd == self.kept_round
+
+    # -- followers -----------------------------------------------------------------------
+
+    def follow(
+        self, rnd: int, param: int, start: int, stop: int, mode: str, timeout: float, alive=None
+    ):
+        """Frames of ``param``'s elements ``[start, stop)`` of round ``rnd``'s model, each as
+        soon as it is known (see the module docstring); raises :class:`Superseded`. Waiting
+        stops early when ``alive()`` turns false (the follower hung up)."""
+        state = self.state
+        p = state.by_index.get(param)
+        if p is None or not 0 <= start <= stop <= p.numel:
+            raise ValueError(f"no elements [{start}, {stop}) of parameter {param} here")
+        deadline = time.monotonic() + timeout
+        for a in range(start, stop, wire.CHUNK_VALUES):
+            b = min(stop, a + wire.CHUNK_VALUES)
+            with state._lock:
+                while not self._settled(rnd, param):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or (alive is not None and not alive()):
+                        break
+                    state._lock.wait(min(left, 1.0))
+                frame = self._frame(rnd, param, a, b, mode)
+            yield frame
+
+    def _settled(self, rnd: int, param: int) -> bool:
+        state = self.state
+        return (
+            state.round >= rnd
+            or state.open_round != rnd
+            or self.void is not None
+            or param in self.ready
+        )
+
+    def _frame(self, rnd: int, param: int, a: int, b: int, mode: str) -> bytes:
+        state = self.state
+        if state.round == rnd:  # committed meanwhile: the committed values, if they are these
+            if not self.kept(rnd):
+                raise Superseded(f"round {rnd} was committed with other groups; pull again")
+            return next(state.frames(param, a, b, mode))
+        if state.round > rnd or state.open_round != rnd:
+            raise Superseded(f"round {rnd} is over; pull again")
+        if self.void is not None:
+            raise Superseded(f"round {rnd}: {self.void}; pull again")
+        if param not in self.ready:
+            raise Superseded(f"round {rnd}: waited too long for the other groups")
+        return self._provisional(param, a, b, mode)
+
+    def _provisional(self, param: int, a: int, b: int, mode: str) -> bytes:
+        """The frame the commit will make (:meth:`~.state.AggregatorState.frames`), from the
+        fold, computed for the elements it needs: a delta's int8 scale blocks whole."""
+        state = self.state
+        at, kind, sc = state.offsets[param], state.downlink, state.scale_chunk
+        if state.view is None:
+            return wire.encode_chunk(param, a, state.stepped(at + a, at + b), C.NO_COMPRESSION, 1)
+        lo, hi = a, b
+        if kind == C.INT8:  # the blocks that hold [a, b), whole, as the commit encodes them
+            lo, hi = a // sc * sc, min(state.by_index[param].numel, -(-b // sc) * sc)
+        delta = state.stepped(at + lo, at + hi) - state.view[at + lo : at + hi]
+        scales, data = wire.quantize(delta, lo, kind, sc)
+        if kind == C.INT8:
+            first, last = wire.blocks_of(a, b - a, sc)
+            scales = scales[first - lo // sc : last - lo // sc]
+        data = data[a - lo : b - lo]
+        if mode == "delta":
+            return wire.encode_chunk(param, a, None, kind, sc, (scales, data))
+        view = state.view[at + a : at + b] + wire.dequantize(scales, data, a, kind, sc)
+        return wire.encode_chunk(param, a, view, C.NO_COMPRESSION, 1)

@@ -1,0 +1,173 @@
+"""The pipelined commit with real aggregator processes on loopback: ranks that follow a round get
+each parameter's new values before the commit, bit for bit the committed model (float32, bf16
+and int8 downlinks, fedavg and nesterov, groups of different K); a group rejected mid-round or
+silent voids what they followed, and the commit is then the mean of the others."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from dataplane_util import SHAPES, download_all, pool, shard_pieces, ticket, upload_group
+
+from flower_shard.dataplane import tickets, wire
+from flower_shard.dataplane.client import DataPlaneError, RankLink
+
+__all__ = ["pool"]  # the fixture, used by name
+
+KS = (1, 2, 3)  # ranks per group
+WEIGHTS = {0: 4096.0, 1: 2048.0, 2: 6144.0}
+
+
+class Follower:
+    """Rank ``s`` of ``k`` of ``group`` following round ``rnd`` in a thread."""
+
+    def __init__(self, p, layout, rnd, group, k, s, have=-1, provisional=False):
+        zeros = {n: np.zeros(shape, np.float32) for n, shape in SHAPES.items()}
+        ranges = [(i, a, a + v.size) for i, a, v in shard_pieces(layout, zeros, k, s)]
+        self.mode, self.values, self.error = None, None, None
+
+        def run():
+            link = RankLink(ticket(p, rnd, group), s)
+            try:
+                got = link.download(ranges, layout, have, follow=True, provisional=provisional)
+                self.mode, _, self.values = got
+            except DataPlaneError as exc:
+                self.error = str(exc)
+            finally:
+                link.close()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait(self, seconds: float = 60.0) -> Follower:
+        self.thread.join(seconds)
+        return self
+
+
+def assemble(followers, layout, base=None):
+    """The whole model from the ranks' followed pieces (added to ``base`` for a delta)."""
+    out = {n: np.full(int(np.prod(s)), np.nan, np.float32) for n, s in SHAPES.items()}
+    for f in followers:
+        for (i, a), v in f.values.items():
+            out[layout.params[i].name][a : a + v.size] = v
+    out = {n: v.reshape(SHAPES[n]) for n, v in out.items()}
+    return {n: base[n] + out[n] for n in out} if base is not None else out
+
+
+def updates(seed):
+    rng = np.random.default_rng(seed)
+    return [
+        {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in SHAPES.items()} for _ in KS
+    ]
+
+
+def pull_mode(p, layout, rnd, have, provisional=True):
+    """The mode a rank of group 0 that followed round ``have`` is answered in round ``rnd``."""
+    link = RankLink(ticket(p, rnd, 0), 0)
+    try:
+        ranges = [(q.index, 0, q.numel) for q in layout.params]
+        return link.download(ranges, layout, have, provisional=provisional)[:2]
+    finally:
+        link.close()
+
+
+def follow_all(p, layout, rnd, have, groups=(0, 1, 2)):
+    return {g: [Follower(p, layout, rnd, g, KS[g], s, have) for s in range(KS[g])] for g in groups}
+
+
+@pytest.mark.parametrize(
+    "downlink,outer", [("none", "fedavg"), ("int8", "nesterov"), ("bf16", "fedavg")]
+)
+def test_followers_get_the_committed_model_before_the_commit_bit_for_bit(pool, downlink, outer):
+    p, layout = pool(count=2, downlink=downlink, outer=outer)  # pipelined
+    q, _ = pool(count=2, downlink=downlink, outer=outer)  # the synchronous reference
+    have, model = -1, None
+    for rnd in (1, 2, 3):
+        for x in (p, q):
+            x.begin(rnd)
+        p.expect(rnd, list(WEIGHTS))
+        followers = follow_all(p, layout, rnd, have)
+        everyone = [f for fs in followers.values() for f in fs]
+        time.sleep(0.5)
+        assert all(f.thread.is_alive() for f in everyone)  # nothing to give before the uploads
+        for g, d in enumerate(updates(rnd)):
+            for x in (p, q):
+                upload_group(x, layout, rnd, g, d, KS[g], WEIGHTS[g])
+        for f in everyone:  # all of it before the commit
+            assert not f.wait().thread.is_alive() and f.error is None, f.error
+        q.commit(rnd, WEIGHTS)
+        q.begin(rnd + 1)
+        mode, got = download_all(q, layout, rnd + 1, 0, have)
+        ref = got if mode == "full" else {n: model[n] + got[n] for n in SHAPES}
+        assert {f.mode for f in everyone} == {mode}
+        for fs in followers.values():  # every group holds the reference's model, bit for bit
+            held = assemble(fs, layout, None if mode == "full" else model)
+            for n in SHAPES:
+                np.testing.assert_array_equal(held[n], ref[n])
+        p.commit(rnd, WEIGHTS)
+        model, have = ref, rnd
+        p.begin(rnd + 1)
+        assert pull_mode(p, layout, rnd + 1, have) == ("current", rnd)  # kept as followed
+
+
+def bad_upload(p, rnd, group, frame):
+    """Rank 0 of ``group`` sends ``frame`` (refused: the group is rejected)."""
+    link = RankLink(ticket(p, rnd, group), 0)
+    head = {
+        "run": "run-1",
+        "round": rnd,
+        "group": group,
+        "rank": 0,
+        "weight": WEIGHTS[group],
+        "token": tickets.rank_token(link.ticket.token, 0),
+        "compression": "none",
+    }
+    call = link.channels[0].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
+    try:
+        return wire.from_json(call(iter([wire.to_json(head), frame])))
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("failure", ["rejected", "silent", "screened out"])
+def test_a_group_left_out_voids_what_was_followed_and_the_commit_is_the_mean_of_the_others(
+    pool, failure
+):
+    """A group the aggregator rejects ends the followers' streams at once; one that never
+    sends, or that the ServerApp leaves out after it sent, ends them at the commit. Either
+    way they pull a full snapshot, the mean of the groups the commit accepted."""
+    p, layout = pool(count=2)
+    q, _ = pool(count=2)
+    for x in (p, q):
+        x.begin(1)
+    p.expect(1, list(WEIGHTS))
+    followers = [f for fs in follow_all(p, layout, 1, -1, groups=(0, 1)).values() for f in fs]
+    deltas = updates(7)
+    if failure == "rejected":
+        nan = wire.encode_chunk(0, 0, np.array([1, np.nan], np.float32), "none", 64)
+        assert not bad_upload(p, 1, 2, nan)["ok"]
+        for f in followers:  # voided before the others even uploaded
+            assert not f.wait(30).thread.is_alive() and "ABORTED" in f.error, f.error
+    accepted = {0: WEIGHTS[0], 1: WEIGHTS[1]}
+    for g in (0, 1) if failure != "screened out" else (0, 1, 2):
+        for x in (p, q):
+            upload_group(x, layout, 1, g, deltas[g], KS[g], WEIGHTS[g])
+    if failure == "silent":
+        time.sleep(1.0)
+        assert all(f.thread.is_alive() for f in followers)  # waiting for group 2
+    q.commit(1, accepted)
+    p.commit(1, accepted)
+    for f in followers:
+        assert not f.wait(30).thread.is_alive()
+        if failure != "screened out":  # it may have had all before the commit: then void there
+            assert "ABORTED" in f.error, f.error
+    for x in (p, q):
+        x.begin(2)
+    assert pull_mode(p, layout, 2, 1)[0] == "full"  # what they followed is void
+    _, ref = download_all(q, layout, 2, 0)
+    _, got = download_all(p, layout, 2, 0)
+    for n in SHAPES:
+        np.testing.assert_array_equal(got[n], ref[n])
