@@ -12,7 +12,9 @@ synthetic pseudo-gradient (made chunk by chunk with the one subtraction a real r
 the bench's ranks hold no model: the real group's memory is measured by the deployment
 benchmarks), the ServerApp side checks the
 status and commits. The round's exchange time is from ``begin`` to the end of the last
-download. The raw side: the same G x K connections each send M / K bytes to one receiving
+download. Each repeat also runs a pipelined round (the ranks follow the round while they upload,
+:mod:`flower_shard.dataplane.pipeline`): the same bytes, the download overlapping the upload.
+The raw side: the same G x K connections each send M / K bytes to one receiving
 process and get M / K bytes back, over loopback TCP. Side by side, interleaved, per G.
 
 Memory: the VmHWM of every aggregator process, sampled; targets (fedavg, no downlink
@@ -31,6 +33,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -89,33 +92,49 @@ def rank_ranges(layout: Layout, k: int, s: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def rank_main(args) -> float:
-    """One rank's round: download its shard (counted, not kept), upload its update."""
-    layout_json, addresses, secret, rnd, group, rank, k, kind, download = args
+def rank_main(args) -> int:
+    """One rank's round: download its shard (counted, not kept) and upload its update; one
+    after the other, or pipelined (following the round on a second connection while it
+    uploads, as a real rank does)."""
+    layout_json, addresses, secret, rnd, group, rank, k, kind, pipelined = args
     layout = Layout.from_json(layout_json)
     token = tickets.group_token(secret, "bench", rnd, group)
-    link = RankLink(tickets.Ticket("bench", rnd, group, token, tuple(addresses), False), rank)
+    ticket = tickets.Ticket("bench", rnd, group, token, tuple(addresses), False)
+    link, follow_link = RankLink(ticket, rank), RankLink(ticket, rank)
     ranges = rank_ranges(layout, k, rank)
     got = [0]
-    if download:
-        link.download(
-            ranges, layout, -1, sink=lambda m, p, a, v: got.__setitem__(0, got[0] + v.size)
-        )
+
+    def download() -> None:
+        sink = lambda m, p, a, v: got.__setitem__(0, got[0] + v.size)  # noqa: E731
+        follow_link.download(ranges, layout, -1, sink=sink, follow=pipelined)
+
+    follower = threading.Thread(target=download)
+    if pipelined:
+        follower.start()
+    else:
+        download()
     blocks = Synthetic.blocks(group * 1000 + rank)
     pieces = [(p, a, Synthetic(b - a, blocks)) for p, a, b in ranges]
     link.upload(pieces, layout, 1000.0, UplinkEncoder(kind, 2048))
+    if pipelined:
+        follower.join()
     link.close()
+    follow_link.close()
     return got[0]
 
 
-def dataplane_round(pool, layout, rnd: int, groups: int, k: int, kind: str, workers) -> dict:
+def dataplane_round(
+    pool, layout, rnd: int, groups: int, k: int, kind: str, workers, pipelined: bool = False
+) -> dict:
     jobs = [
-        (layout.to_json(), pool.addresses, pool.secret, rnd, g, s, k, kind, True)
+        (layout.to_json(), pool.addresses, pool.secret, rnd, g, s, k, kind, pipelined)
         for g in range(groups)
         for s in range(k)
     ]
     start = time.perf_counter()
     pool.begin(rnd)
+    if pipelined:
+        pool.expect(rnd, list(range(groups)))
     counts = workers.map(rank_main, jobs, chunksize=1)
     uploaded = time.perf_counter()
     status = pool.status()
@@ -246,7 +265,7 @@ def measure(args, groups: int, ctx, work: Path) -> dict:
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
     }
-    rounds, raws, floors = [], [], []
+    rounds, piped, raws, floors = [], [], [], []
     workers = ctx.Pool(groups * args.ranks)
     try:
         with PeakSampler(interval=0.2) as sampler:
@@ -254,9 +273,10 @@ def measure(args, groups: int, ctx, work: Path) -> dict:
             for r in range(1, args.repeats + 1):  # interleaved: both sides share the noise
                 raws.append(raw_tcp(groups, args.ranks, m, workers))
                 floors.append(bare_grpc(groups, args.ranks, m, workers))
-                rounds.append(
-                    dataplane_round(pool, layout, r, groups, args.ranks, args.compression, workers)
-                )
+                for pipelined, out in ((False, rounds), (True, piped)):
+                    rnd, kind = 2 * r - 1 + pipelined, args.compression
+                    run = (pool, layout, rnd, groups, args.ranks, kind, workers, pipelined)
+                    out.append(dataplane_round(*run))
         agg = [sampler.peaks.get(p.pid, (0, ""))[0] for p in pool.processes]
         ranks = [peak for pid, (peak, cmd) in sampler.peaks.items() if "multiprocessing" in cmd]
     finally:
@@ -269,14 +289,21 @@ def measure(args, groups: int, ctx, work: Path) -> dict:
         "model_bytes": m,
         "exchange_s": [d["seconds"] for d in rounds],
         "commit_s": [d["commit_s"] for d in rounds],
+        "pipelined_s": [d["seconds"] for d in piped],
+        "pipelined_commit_s": [d["commit_s"] for d in piped],
+        "pipelined_ratio": _spread([d["seconds"] / r for d, r in zip(piped, raws)]),
         "raw_tcp_s": raws,
         "bare_grpc_s": floors,
         "bare_grpc_over_raw": statistics.median(f / r for f, r in zip(floors, raws)),
-        "ratio": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)},
+        "ratio": _spread(ratios),
         "aggregator_peak_bytes": agg,
         "aggregator_peak_over_m": sum(agg) / m,
         "rank_peak_bytes": max(ranks, default=0),
     }
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
 def main() -> None:
@@ -304,15 +331,17 @@ def main() -> None:
         f"uplink {args.compression}, outer {args.outer}, {args.repeats} repeat(s)"
     )
     print(
-        "| G | exchange s (median) | raw TCP s | ratio min/median/max | bare gRPC x raw TCP "
-        "| aggregator peak / M |"
+        "| G | exchange s (median) | raw TCP s | ratio min/median/max | pipelined s "
+        "| its ratio min/median/max | bare gRPC x raw TCP | aggregator peak / M |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
+        a, b = r["ratio"], r["pipelined_ratio"]
         print(
             f"| {r['groups']} | {statistics.median(r['exchange_s']):.1f} | "
-            f"{statistics.median(r['raw_tcp_s']):.1f} | {r['ratio']['min']:.2f} / "
-            f"{r['ratio']['median']:.2f} / {r['ratio']['max']:.2f} | "
+            f"{statistics.median(r['raw_tcp_s']):.1f} | {a['min']:.2f} / "
+            f"{a['median']:.2f} / {a['max']:.2f} | {statistics.median(r['pipelined_s']):.1f} | "
+            f"{b['min']:.2f} / {b['median']:.2f} / {b['max']:.2f} | "
             f"{r['bare_grpc_over_raw']:.2f} | {r['aggregator_peak_over_m']:.2f} |"
         )
     if len(results) > 1:

@@ -193,14 +193,19 @@ class SiteDeployment(LocalDeployment):
         return self.net.prefix(node) + ["env", "GLOO_SOCKET_IFNAME=lo"]
 
 
-def run_flower(dep: SiteDeployment, cfg: TrainConfig, work: Path, transport: str) -> dict:
+def run_flower(
+    dep: SiteDeployment, cfg: TrainConfig, work: Path, transport: str, pipelined: bool = True
+) -> dict:
     """One FL+FSDP run through Flower on the sites (``transport`` flower: the weights in Flower
     Messages; streaming: every rank streams its shard to an aggregator beside the ServerApp in
-    site 0, over the same slow link); metrics as for torchrun."""
-    out = work / f"{transport}_t{cfg.local_steps}_{cfg.compression}"
-    streaming = (
-        {"dataplane-host": dep.host, "dataplane-insecure": True} if transport == P.STREAMING else {}
-    )
+    site 0, over the same slow link, and with ``pipelined`` downloads the new values while it
+    uploads); metrics as for torchrun."""
+    sync = "" if pipelined else "_sync"
+    out = work / f"{transport}{sync}_t{cfg.local_steps}_{cfg.compression}"
+    streaming = {}
+    if transport == P.STREAMING:
+        streaming = {"dataplane-host": dep.host, "dataplane-insecure": True}
+        streaming["pipelined-commit"] = pipelined
     before = dep.net.site_bytes()
     start = time.perf_counter()
     with LinkMeter(dep.net) as meter:
@@ -386,6 +391,9 @@ def variant(name: str) -> dict:
     return {"compression": compression, "overlap": "ovl" in tags, "fragments": fragments}
 
 
+STREAMING_SYNC = f"{P.STREAMING}-sync"  # the streaming transport without the pipelined commit
+
+
 def deployed_transport(name: str) -> str | None:
     """The transport of a configuration run through a Flower deployment, from its name."""
     return next((t for t in (P.FLOWER, P.STREAMING) if f"-{t}" in name), None)
@@ -510,6 +518,12 @@ def main() -> None:
         "aggregator in site 0, beside the ServerApp)",
     )
     p.add_argument(
+        "--streaming-sync",
+        action="store_true",
+        help="also the streaming transport without the pipelined commit (upload, commit, then "
+        "download), named fl-fsdp-streaming-sync",
+    )
+    p.add_argument(
         "--compression",
         default="",
         help="comma-separated bf16,int8: also run every FL configuration with its exchange "
@@ -545,7 +559,15 @@ def main() -> None:
     if not available():
         raise SystemExit("multitier: needs root and `ip netns` (network namespaces) on Linux")
     args.hsdp = args.hsdp or args.hsdp_only
-    deployed = tuple(t for t, on in ((P.FLOWER, args.flower), (P.STREAMING, args.streaming)) if on)
+    deployed = tuple(
+        t
+        for t, on in (
+            (P.FLOWER, args.flower),
+            (P.STREAMING, args.streaming),
+            (STREAMING_SYNC, args.streaming_sync),
+        )
+        if on
+    )
     rates = [float(r) for r in args.rates_mbit.split(",")]
     ts = [int(t) for t in args.local_steps.split(",")]
     k = args.ranks_per_site
@@ -572,7 +594,7 @@ def main() -> None:
             samples: dict[str, list[dict]] = {}
             with EmulatedNetwork(2, rate) as net, contextlib.ExitStack() as stack:
                 dep = None
-                if args.flower or args.streaming:
+                if deployed:
                     dep = stack.enter_context(SiteDeployment(net, work / f"flower{rate:g}", k))
                 for rep in range(args.repeats):
                     configs = make_configs(
@@ -591,7 +613,8 @@ def main() -> None:
                         configs.reverse()
                     for name, cfg in configs:
                         if transport := deployed_transport(name):
-                            run = run_flower(dep, cfg, work, transport)
+                            pipelined = STREAMING_SYNC not in name
+                            run = run_flower(dep, cfg, work, transport, pipelined)
                         else:
                             run = run_config(net, cfg, data, work)
                         s = summarise(run, tokens_per_step)
