@@ -74,8 +74,11 @@ def pull_mode(p, layout, rnd, have, provisional=True):
         link.close()
 
 
-def follow_all(p, layout, rnd, have, groups=(0, 1, 2)):
-    return {g: [Follower(p, layout, rnd, g, KS[g], s, have) for s in range(KS[g])] for g in groups}
+def follow_all(p, layout, rnd, have, groups=(0, 1, 2), provisional=False):
+    return {
+        g: [Follower(p, layout, rnd, g, KS[g], s, have, provisional) for s in range(KS[g])]
+        for g in groups
+    }
 
 
 @pytest.mark.parametrize(
@@ -84,12 +87,16 @@ def follow_all(p, layout, rnd, have, groups=(0, 1, 2)):
 def test_followers_get_the_committed_model_before_the_commit_bit_for_bit(pool, downlink, outer):
     p, layout = pool(count=2, downlink=downlink, outer=outer)  # pipelined
     q, _ = pool(count=2, downlink=downlink, outer=outer)  # the synchronous reference
-    have, model = -1, None
+    for x in (p, q):
+        x.begin(1)
+    _, model = download_all(q, layout, 1, 0)  # the initial model: round 1 comes as a delta
+    have = 0
     for rnd in (1, 2, 3):
         for x in (p, q):
             x.begin(rnd)
         p.expect(rnd, list(WEIGHTS))
-        followers = follow_all(p, layout, rnd, have)
+        # from round 2 what they hold was followed (kept: still a delta)
+        followers = follow_all(p, layout, rnd, have, provisional=rnd > 1)
         everyone = [f for fs in followers.values() for f in fs]
         time.sleep(0.5)
         assert all(f.thread.is_alive() for f in everyone)  # nothing to give before the uploads
@@ -107,7 +114,7 @@ def test_followers_get_the_committed_model_before_the_commit_bit_for_bit(pool, d
             held = assemble(fs, layout, None if mode == "full" else model)
             for n in SHAPES:
                 np.testing.assert_array_equal(held[n], ref[n])
-        p.commit(rnd, WEIGHTS)
+        assert p.commit(rnd, WEIGHTS)  # every aggregator kept the fold
         model, have = ref, rnd
         p.begin(rnd + 1)
         assert pull_mode(p, layout, rnd + 1, have) == ("current", rnd)  # kept as followed
@@ -159,7 +166,7 @@ def test_a_group_left_out_voids_what_was_followed_and_the_commit_is_the_mean_of_
         time.sleep(1.0)
         assert all(f.thread.is_alive() for f in followers)  # waiting for group 2
     q.commit(1, accepted)
-    p.commit(1, accepted)
+    assert not p.commit(1, accepted)  # no aggregator kept it
     for f in followers:
         assert not f.wait(30).thread.is_alive()
         if failure != "screened out":  # it may have had all before the commit: then void there

@@ -6,7 +6,9 @@ index, compression, outer optimizer, and how to build the first global weights);
 opens a round for uploads; ``expect`` names the groups the round was sent to (the pipelined
 commit, :mod:`.pipeline`); ``status`` says which groups completed their upload, with what
 weight and squared norm (the ServerApp checks them against the groups' Flower replies);
-``commit`` folds the accepted groups and takes the outer step; ``save`` / ``load`` checkpoint
+``commit`` folds the accepted groups and takes the outer step (and says whether it kept the
+pipelined fold; ``unkeep`` makes an aggregator that kept it answer like one that did not);
+``save`` / ``load`` checkpoint
 the aggregator's state; ``shutdown`` stops it.
 """
 
@@ -49,6 +51,10 @@ def handle(service, cmd: dict) -> dict:
     if op == "commit":
         accepted = {int(g): float(w) for g, w in cmd["accepted"].items()}
         return {"ok": True, **state.commit(int(cmd["round"]), accepted)}
+    if op == "unkeep":
+        with state._lock:
+            state.pipe.unkeep(int(cmd["round"]))
+        return {"ok": True}
     if op == "save":
         from flower_shard.dataplane.persist import save
 

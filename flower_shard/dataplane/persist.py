@@ -45,5 +45,9 @@ def load(state, directory: Path) -> None:
             buf.copy_(torch.from_numpy(arrays[name]))
     if state.view is not None:
         state.view[:] = arrays["view"]
-    state.round = int(meta["round"])
-    state.delta, state.delta_round = None, -1
+    with state._lock:
+        state.round = int(meta["round"])
+        state.delta, state.delta_round = None, -1
+        state.pipe.drain()
+        state.pipe.reset()
+        state.pipe.kept_round = -1  # nothing followed before the load is current

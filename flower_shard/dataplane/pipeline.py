@@ -52,15 +52,26 @@ class Pipeline:
         self.state = state
         self.kept_round = -1
         """The last round whose commit kept the pipelined fold."""
+        self.epoch = 0
+        """Counts resets and commits: a frame computed outside the lock across one is redone."""
         self.reset()
 
     def reset(self) -> None:
+        """Forget the round's fold (the caller drained it: :meth:`drain`)."""
         self.expected: list[int] | None = None
         self.ready: set[int] = set()
+        self.folding: set[int] = set()
         self.weights: dict[int, float] | None = None
         self.void: str | None = None
+        self.epoch += 1
+
+    def drain(self) -> None:
+        """Wait until no parameter is being folded (before anything rewrites the state)."""
+        self.state._lock.wait_for(lambda: not self.folding)
 
     def expect(self, groups: list[int]) -> None:
+        self.drain()
+        self.reset()  # a second call starts over: no fold of another list of groups is kept
         self.expected = sorted({int(g) for g in groups})
         for param in self.state.by_index:  # uploads that came before the list did
             self.arrived(param)
@@ -72,10 +83,12 @@ class Pipeline:
             self.state._lock.notify_all()
 
     def arrived(self, param: int) -> None:
-        """A group sent all of ``param``: fold it if every expected group has."""
+        """A group sent all of ``param``: fold it if every expected group has. The fold runs
+        outside the lock (its slice of the accumulator is this parameter's alone); anything
+        that rewrites the state first waits for it (:meth:`drain`)."""
         state = self.state
         with state._lock:
-            if self.expected is None or self.void or param in self.ready:
+            if self.expected is None or self.void or param in self.ready | self.folding:
                 return
             spools = [state.spools.get(g) for g in self.expected]
             if any(s is None or not s.has_param(param) for s in spools):
@@ -85,17 +98,23 @@ class Pipeline:
             if not (math.isfinite(total) and total > 0 and all(w > 0 for w in weights.values())):
                 self.abandon(f"declared weights {weights}")
                 return
-            at, n = state.offsets[param], state.by_index[param].numel
+            self.folding.add(param)
+        at, n = state.offsets[param], state.by_index[param].numel
+        error = None
+        try:
             state._acc[at : at + n].fill(0.0)
-            try:
-                for g, spool in zip(self.expected, spools):
-                    scale = np.float32(weights[g] / total)
-                    spool.fold_param_into(state._acc, state.offsets, param, scale)
-            except OSError as exc:
-                self.abandon(str(exc))
-                return
-            self.ready.add(param)
-            self.weights = weights
+            for g, spool in zip(self.expected, spools):
+                scale = np.float32(weights[g] / total)
+                spool.fold_param_into(state._acc, state.offsets, param, scale)
+        except OSError as exc:
+            error = str(exc)
+        with state._lock:
+            self.folding.discard(param)
+            if error:
+                self.abandon(error)
+            elif self.void is None:
+                self.ready.add(param)
+                self.weights = weights
             state._lock.notify_all()
 
     def matches(self, accepted: dict[int, float]) -> bool:
@@ -108,10 +127,17 @@ class Pipeline:
         )
 
     def committed(self, rnd: int, kept: bool) -> None:
+        self.epoch += 1
         if kept:
             self.kept_round = rnd
         elif self.expected is not None:
             self.abandon("the commit accepted other groups")
+
+    def unkeep(self, rnd: int) -> None:
+        """Another aggregator could not keep round ``rnd``'s fold: treat it as not kept here
+        too, so every aggregator answers the followers alike (a full snapshot)."""
+        if self.kept_round == rnd:
+            self.kept_round = -1
 
     def kept(self, rnd: int) -> bool:
         return rnd >= 0 and rnd == self.kept_round
@@ -128,6 +154,8 @@ class Pipeline:
         p = state.by_index.get(param)
         if p is None or not 0 <= start <= stop <= p.numel:
             raise ValueError(f"no elements [{start}, {stop}) of parameter {param} here")
+        if mode == "current":  # the round committed, as this rank holds it: nothing to send
+            return
         deadline = time.monotonic() + timeout
         for a in range(start, stop, wire.CHUNK_VALUES):
             b = min(stop, a + wire.CHUNK_VALUES)
@@ -137,7 +165,14 @@ class Pipeline:
                     if left <= 0 or (alive is not None and not alive()):
                         break
                     state._lock.wait(min(left, 1.0))
-                frame = self._frame(rnd, param, a, b, mode)
+                frame, epoch = self._frame(rnd, param, a, b, mode), self.epoch
+            if frame is None:  # provisional: computed outside the lock, redone if it moved
+                frame = self._provisional(param, a, b, mode)
+                with state._lock:
+                    if self.epoch != epoch:
+                        frame = self._frame(rnd, param, a, b, mode) or self._provisional(
+                            param, a, b, mode
+                        )
             yield frame
 
     def _settled(self, rnd: int, param: int) -> bool:
@@ -149,7 +184,9 @@ class Pipeline:
             or param in self.ready
         )
 
-    def _frame(self, rnd: int, param: int, a: int, b: int, mode: str) -> bytes:
+    def _frame(self, rnd: int, param: int, a: int, b: int, mode: str) -> bytes | None:
+        """The committed frame, None for a provisional one (the caller makes it), or
+        :class:`Superseded`."""
         state = self.state
         if state.round == rnd:  # committed meanwhile: the committed values, if they are these
             if not self.kept(rnd):
@@ -161,7 +198,7 @@ class Pipeline:
             raise Superseded(f"round {rnd}: {self.void}; pull again")
         if param not in self.ready:
             raise Superseded(f"round {rnd}: waited too long for the other groups")
-        return self._provisional(param, a, b, mode)
+        return None
 
     def _provisional(self, param: int, a: int, b: int, mode: str) -> bytes:
         """The frame the commit will make (:meth:`~.state.AggregatorState.frames`), from the

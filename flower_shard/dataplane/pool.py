@@ -125,10 +125,24 @@ class AggregatorPool:
                 out.setdefault(int(g), [{} for _ in self.clients])[i] = s
         return out
 
-    def commit(self, rnd: int, accepted: dict[int, float]) -> None:
-        for client in self.clients:
-            accepted_json = {str(g): w for g, w in accepted.items()}
-            client("commit", timeout=self.call_timeout, round=rnd, accepted=accepted_json)
+    def commit(self, rnd: int, accepted: dict[int, float]) -> bool:
+        """Commit round ``rnd`` everywhere; whether every aggregator kept its pipelined fold
+        (the followers hold the model). Where only some did, they are told not to (a rank's
+        pull needs one answer from all)."""
+        accepted_json = {str(g): w for g, w in accepted.items()}
+        kept = [
+            bool(
+                client("commit", timeout=self.call_timeout, round=rnd, accepted=accepted_json).get(
+                    "kept"
+                )
+            )
+            for client in self.clients
+        ]
+        if any(kept) and not all(kept):
+            log.warning("round %d: only some aggregators kept the pipelined fold", rnd)
+            for client in self.clients:
+                client("unkeep", timeout=self.call_timeout, round=rnd)
+        return all(kept)
 
     def save(self, directory: Path) -> None:
         for i, client in enumerate(self.clients):

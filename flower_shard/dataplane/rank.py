@@ -85,7 +85,8 @@ class RankExchange:
         """Whether ``have_round`` was followed and not yet confirmed as committed."""
         self.replicate_pg = replicate_pg
         self._follower: threading.Thread | None = None
-        self._followed: int | None = None
+        self._followed: tuple[int, bool] | None = None
+        """What the view holds once the follower is done: (round, provisional), or None."""
 
     @property
     def leader(self) -> bool:
@@ -116,6 +117,11 @@ class RankExchange:
             return
 
         have, provisional = self.have_round, self.provisional
+        wrote = []
+
+        def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
+            wrote.append(True)
+            self._into_view(how, param, start, values)
 
         def run() -> None:
             try:
@@ -123,14 +129,15 @@ class RankExchange:
                     self.ranges(),
                     self.layout,
                     have,
-                    sink=self._into_view,
+                    sink=sink,
                     follow=True,
                     provisional=provisional,
                 )
-                self._followed = rnd
+                self._followed = (rnd, True)
             except DataPlaneError as exc:
                 log.info("following the round: %s", exc)
-                self._followed = None
+                # the view is as before when nothing came (refused, or void before a value)
+                self._followed = None if wrote else (have, provisional)
             finally:
                 link.close()
 
@@ -145,7 +152,7 @@ class RankExchange:
         self._follower.join()
         self._follower = None
         if self._followed is not None:
-            self.have_round, self.provisional = self._followed, True
+            self.have_round, self.provisional = self._followed
 
     def pull(self, link: RankLink | None) -> str:
         """Load the global model into the shards (and the view); the mode it came in."""

@@ -25,8 +25,10 @@ copies are void (:meth:`mode` sends them a full snapshot).
 
 The outer step is element-wise float32 arithmetic, one rounding per operation (numpy ufuncs: no
 fused multiply-add), so its result for an element does not depend on how the values are cut
-into chunks: fedavg ``w - g``; nesterov (torch SGD's update, dampening 0) ``m = mu m + g``,
-``w = w - lr (g + mu m)`` with ``g`` the mean pseudo-gradient.
+into chunks: fedavg ``w - g``; nesterov ``m = mu m + g``, ``w = w - lr (g + mu m)`` with ``g``
+the mean pseudo-gradient: the update of torch's SGD with nesterov momentum and dampening 0,
+each product rounded on its own (torch's kernels may fuse them: the last bit can differ from
+the outer optimizer of the other transports).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class AggregatorState:
     def begin(self, rnd: int) -> None:
         """Open round ``rnd`` for uploads (the previous round's spools are dropped)."""
         with self._lock:
+            self.pipe.drain()
             for spool in self.spools.values():
                 spool.delete()
             self.spools = {}
@@ -198,6 +201,7 @@ class AggregatorState:
             missing = [g for g in accepted if g not in self.spools or not self.spools[g].complete]
             if missing:
                 raise ValueError(f"groups {missing} did not complete their upload here")
+            self.pipe.drain()
             kept = self.pipe.matches(accepted)
             if accepted and not kept:
                 total = total_of(accepted)
@@ -216,7 +220,12 @@ class AggregatorState:
             log.info("round %d: committed groups %s, %s", rnd, sorted(accepted), how)
             self._encode_delta()
             self._lock.notify_all()
-        return {"round": rnd, "groups": sorted(accepted), "weight": total_of(accepted)}
+        return {
+            "round": rnd,
+            "groups": sorted(accepted),
+            "weight": total_of(accepted),
+            "kept": kept,
+        }
 
     # -- the outer step, element-wise (see the module docstring) --------------------------
 
@@ -285,7 +294,9 @@ class AggregatorState:
             return self.mode(have_round, provisional)
         if provisional and not self.pipe.kept(have_round):
             return "full"
-        in_sync = have_round >= 0 and have_round == self.round == self.delta_round
+        # a rank at the last committed round holds ``view`` (snapshots serve it, deltas advance
+        # it): the round's delta applies, also to round 1's (its base is the initial model)
+        in_sync = have_round >= 0 and have_round == self.round
         return "delta" if self.view is not None and in_sync else "full"
 
     def frames(self, param: int, start: int, stop: int, mode: str):
