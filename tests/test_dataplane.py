@@ -135,7 +135,9 @@ def test_int8_both_ways_with_error_feedback_and_a_checkpoint(pool, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "sharding,nproc,follow", [("fsdp", 2, False), ("hsdp", 4, False), ("hsdp", 4, True)]
+    # HSDP's first pull is a synchronous one; its second comes from following the round
+    "sharding,nproc,follow",
+    [("fsdp", 2, False), ("hsdp", 4, True)],
 )
 def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
     tmp_path, sharding, nproc, follow
