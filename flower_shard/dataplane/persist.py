@@ -48,6 +48,4 @@ def load(state, directory: Path) -> None:
     with state._lock:
         state.round = int(meta["round"])
         state.delta, state.delta_round = None, -1
-        state.pipe.drain()
-        state.pipe.reset()
-        state.pipe.kept_round = -1  # nothing followed before the load is current
+        state.pipe.forget()

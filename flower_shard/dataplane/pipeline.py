@@ -88,7 +88,7 @@ class Pipeline:
         that rewrites the state first waits for it (:meth:`drain`)."""
         state = self.state
         with state._lock:
-            if self.expected is None or self.void or param in self.ready | self.folding:
+            if self.expected is None or self.void or param in self.ready or param in self.folding:
                 return
             spools = [state.spools.get(g) for g in self.expected]
             if any(s is None or not s.has_param(param) for s in spools):
@@ -132,6 +132,12 @@ class Pipeline:
             self.kept_round = rnd
         elif self.expected is not None:
             self.abandon("the commit accepted other groups")
+
+    def forget(self) -> None:
+        """After a checkpoint is loaded: no fold in flight, nothing followed before is kept."""
+        self.drain()
+        self.reset()
+        self.kept_round = -1
 
     def unkeep(self, rnd: int) -> None:
         """Another aggregator could not keep round ``rnd``'s fold: treat it as not kept here

@@ -130,14 +130,10 @@ class AggregatorPool:
         (the followers hold the model). Where only some did, they are told not to (a rank's
         pull needs one answer from all)."""
         accepted_json = {str(g): w for g, w in accepted.items()}
-        kept = [
-            bool(
-                client("commit", timeout=self.call_timeout, round=rnd, accepted=accepted_json).get(
-                    "kept"
-                )
-            )
-            for client in self.clients
-        ]
+        kept = []
+        for client in self.clients:
+            reply = client("commit", timeout=self.call_timeout, round=rnd, accepted=accepted_json)
+            kept.append(bool(reply.get("kept")))
         if any(kept) and not all(kept):
             log.warning("round %d: only some aggregators kept the pipelined fold", rnd)
             for client in self.clients:

@@ -80,6 +80,8 @@ class RankExchange:
         self.layout = layout
         self.encoder = UplinkEncoder(kind, scale_chunk, feedback)
         self.view = {i: np.zeros(stop - start, np.float32) for i, _, start, stop in self.pieces}
+        self.starts = {i: start for i, _, start, _ in self.pieces}
+        """Parameter -> the first element of this rank's piece of it."""
         self.have_round = -1
         self.provisional = False
         """Whether ``have_round`` was followed and not yet confirmed as committed."""
@@ -98,17 +100,13 @@ class RankExchange:
 
     def _into_view(self, how: str, param: int, start: int, values: np.ndarray) -> np.ndarray:
         """Put a downloaded chunk into the view; the view's slice it changed."""
-        at = start - self._starts[param]
+        at = start - self.starts[param]
         view = self.view[param][at : at + values.size]
         if how == "delta":
             view += values
         else:
             view[:] = values
         return view
-
-    @property
-    def _starts(self) -> dict[int, int]:
-        return {i: start for i, _, start, _ in self.pieces}
 
     def follow(self, link: RankLink) -> None:
         """Start following the round on ``link`` (a link of its own, closed when done)."""
@@ -117,10 +115,10 @@ class RankExchange:
             return
 
         have, provisional = self.have_round, self.provisional
-        wrote = []
+        wrote = [False]
 
         def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
-            wrote.append(True)
+            wrote[0] = True
             self._into_view(how, param, start, values)
 
         def run() -> None:
@@ -137,7 +135,7 @@ class RankExchange:
             except DataPlaneError as exc:
                 log.info("following the round: %s", exc)
                 # the view is as before when nothing came (refused, or void before a value)
-                self._followed = None if wrote else (have, provisional)
+                self._followed = None if wrote[0] else (have, provisional)
             finally:
                 link.close()
 
@@ -165,11 +163,10 @@ class RankExchange:
 
             def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
                 view = self._into_view(how, param, start, values)
-                at = start - starts[param]
+                at = start - self.starts[param]
                 target = locals_[param][at : at + values.size]
                 target.copy_(torch.from_numpy(view).to(target.device))
 
-            starts = self._starts
             mode, rnd, _ = link.download(
                 self.ranges(), self.layout, self.have_round, sink=sink, provisional=self.provisional
             )
