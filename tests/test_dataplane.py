@@ -75,6 +75,9 @@ def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
         5: lambda: [wire.encode_chunk(0, 0, np.ones(8, np.float32), "none", 64)[:-4]],  # size
         6: lambda: [wire.encode_chunk(0, 0, np.array([1, np.nan], np.float32), "none", 64)],
     }
+    good_frame = wire.encode_chunk(0, 0, np.ones(8, np.float32), "none", 64)
+    bad_weights = {7: "heavy", 8: -1.0, 9: 0, 10: float("inf"), 11: [10.0], 12: True}
+    bad_frames |= {g: lambda: [good_frame] for g in bad_weights}
     reasons = {}
     for group, make in bad_frames.items():
         t = ticket(p, 3, group)
@@ -83,7 +86,7 @@ def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
             "round": 3,
             "group": group,
             "rank": 0,
-            "weight": 10.0,
+            "weight": bad_weights.get(group, 10.0),
             "token": tickets.rank_token(t.token, 0),
             "compression": "none",
         }
@@ -95,6 +98,7 @@ def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
     assert "not held" in reasons[2]["reason"] and "outside" in reasons[3]["reason"]
     assert "twice" in reasons[4]["reason"] and "bytes, expected" in reasons[5]["reason"]
     assert "non-finite" in reasons[6]["reason"]
+    assert all("not a finite positive number" in reasons[g]["reason"] for g in bad_weights)
     upload_group(p, layout, 3, 0, good, 2, 10.0)
     status = p.status()
     assert status[0][0]["complete"] and all(status[g][0]["rejected"] for g in bad_frames)

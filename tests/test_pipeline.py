@@ -1,7 +1,9 @@
 """The pipelined commit with real aggregator processes on loopback: ranks that follow a round get
 each parameter's new values before the commit, bit for bit the committed model (float32, bf16
-and int8 downlinks, fedavg and nesterov, groups of different K); a group rejected mid-round or
-silent voids what they followed, and the commit is then the mean of the others."""
+and int8 downlinks, fedavg and nesterov, groups of different K); a group the commit will refuse
+(a refused upload, a weight beyond the bound or not a number) is not waited for; one rejected
+after a fold, silent, or screened out voids what they followed, and the commit is then the mean
+of the others."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from dataplane_util import SHAPES, download_all, pool, shard_pieces, ticket, upload_group
 
 from flower_shard.dataplane import tickets, wire
-from flower_shard.dataplane.client import DataPlaneError, RankLink
+from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
 
 __all__ = ["pool"]  # the fixture, used by name
 
@@ -27,7 +29,7 @@ class Follower:
     def __init__(self, p, layout, rnd, group, k, s, have=-1, provisional=False):
         zeros = {n: np.zeros(shape, np.float32) for n, shape in SHAPES.items()}
         ranges = [(i, a, a + v.size) for i, a, v in shard_pieces(layout, zeros, k, s)]
-        self.mode, self.values, self.error = None, None, None
+        self.mode, self.values, self.error, self.group = None, None, None, group
 
         def run():
             link = RankLink(ticket(p, rnd, group), s)
@@ -120,8 +122,9 @@ def test_followers_get_the_committed_model_before_the_commit_bit_for_bit(pool, d
         assert pull_mode(p, layout, rnd + 1, have) == ("current", rnd)  # kept as followed
 
 
-def bad_upload(p, rnd, group, frame):
-    """Rank 0 of ``group`` sends ``frame`` (refused: the group is rejected)."""
+def bad_upload(p, rnd, group, frame, owner=0):
+    """Rank 0 of ``group`` sends ``frame`` to aggregator ``owner`` (refused: the group is
+    rejected there)."""
     link = RankLink(ticket(p, rnd, group), 0)
     head = {
         "run": "run-1",
@@ -132,20 +135,92 @@ def bad_upload(p, rnd, group, frame):
         "token": tickets.rank_token(link.ticket.token, 0),
         "compression": "none",
     }
-    call = link.channels[0].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
+    call = link.channels[owner].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
     try:
         return wire.from_json(call(iter([wire.to_json(head), frame])))
     finally:
         link.close()
 
 
-@pytest.mark.parametrize("failure", ["rejected", "silent", "screened out"])
+class HeldValues:
+    """A piece whose values come once ``ready()`` (its stream stays open until then)."""
+
+    def __init__(self, values: np.ndarray, ready):
+        self.values, self.ready, self.size = values, ready, values.size
+
+    def __getitem__(self, key):
+        deadline = time.monotonic() + 60
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.values[key]
+
+
+def refused_upload(p, layout, rnd, group, deltas):
+    """Rank 0 of ``group`` streams a NaN to one aggregator and, slowly, a good piece to the
+    other: the first refuses the group, and the rank cancels its stream to the second."""
+    first, second = (next(q for q in layout.params if q.owner == o) for o in (0, 1))
+    bad = deltas[first.name].reshape(-1).copy()
+    bad[1] = np.nan
+
+    def refused():  # by the first aggregator (the rank has its answer right after)
+        return (p.status().get(group) or [{}])[0].get("rejected") is not None
+
+    slow = HeldValues(deltas[second.name].reshape(-1), refused)
+    link = RankLink(ticket(p, rnd, group), 0)
+    try:
+        with pytest.raises(DataPlaneError, match="non-finite"):
+            link.upload(
+                [(first.index, 0, bad), (second.index, 0, slow)],
+                layout,
+                WEIGHTS[group],
+                UplinkEncoder("none", 64),
+            )
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("how", ["refused", "weight over the bound"])
+def test_a_group_the_commit_will_refuse_is_not_waited_for_and_the_fold_is_kept(pool, how):
+    """Group 2 sends NaN to one aggregator (the rank then withdraws its stream to the other)
+    before the others are done, or declares a weight above the ServerApp's bound (it cannot
+    be accepted) after them: both aggregators stop waiting for it, the followers get the mean
+    of groups 0 and 1 before the commit, bit for bit what the commit of those two makes, and
+    every aggregator keeps the fold."""
+    p, layout = pool(count=2)
+    q, _ = pool(count=2)
+    for x in (p, q):
+        x.begin(1)
+    p.expect(1, list(WEIGHTS), max_weight=10_000.0)
+    followers = [f for fs in follow_all(p, layout, 1, -1).values() for f in fs]
+    deltas = updates(11)
+    for g in (0, 1):
+        if how == "refused" and g == 1:  # between the two honest groups' uploads
+            refused_upload(p, layout, 1, 2, deltas[2])
+        for x in (p, q):
+            upload_group(x, layout, 1, g, deltas[g], KS[g], WEIGHTS[g])
+    if how == "weight over the bound":  # after the others: only then are they all folded
+        upload_group(p, layout, 1, 2, deltas[2], KS[2], 10_001.0)
+    for f in followers:
+        assert not f.wait().thread.is_alive() and f.error is None, f.error
+    accepted = {0: WEIGHTS[0], 1: WEIGHTS[1]}
+    q.commit(1, accepted)
+    assert p.commit(1, accepted)  # every aggregator kept the fold
+    q.begin(2)
+    _, ref = download_all(q, layout, 2, 0)
+    for g in (0, 1, 2):  # group 2's ranks followed too: they hold the same model
+        held = assemble([f for f in followers if f.group == g], layout)
+        for n in SHAPES:
+            np.testing.assert_array_equal(held[n], ref[n])
+
+
+@pytest.mark.parametrize("failure", ["rejected after a fold", "silent", "screened out"])
 def test_a_group_left_out_voids_what_was_followed_and_the_commit_is_the_mean_of_the_others(
     pool, failure
 ):
-    """A group the aggregator rejects ends the followers' streams at once; one that never
-    sends, or that the ServerApp leaves out after it sent, ends them at the commit. Either
-    way they pull a full snapshot, the mean of the groups the commit accepted."""
+    """A group the aggregator rejects once a parameter was folded with it ends the
+    followers' streams at once; one that never sends, or that the ServerApp leaves out after
+    it sent, ends them at the commit. Either way they pull a full snapshot, the mean of the
+    groups the commit accepted."""
     p, layout = pool(count=2)
     q, _ = pool(count=2)
     for x in (p, q):
@@ -153,14 +228,23 @@ def test_a_group_left_out_voids_what_was_followed_and_the_commit_is_the_mean_of_
     p.expect(1, list(WEIGHTS))
     followers = [f for fs in follow_all(p, layout, 1, -1, groups=(0, 1)).values() for f in fs]
     deltas = updates(7)
-    if failure == "rejected":
-        nan = wire.encode_chunk(0, 0, np.array([1, np.nan], np.float32), "none", 64)
-        assert not bad_upload(p, 1, 2, nan)["ok"]
-        for f in followers:  # voided before the others even uploaded
+    if failure == "rejected after a fold":
+        for g in (0, 1):  # the others send everything, group 2 one parameter: it is folded
+            upload_group(p, layout, 1, g, deltas[g], KS[g], WEIGHTS[g])
+        c = next(q for q in layout.params if q.name == "c.bias")
+        link = RankLink(ticket(p, 1, 2), 0)
+        try:
+            piece = [(c.index, 0, deltas[2][c.name])]
+            link.upload(piece, layout, WEIGHTS[2], UplinkEncoder("none", 64))
+        finally:
+            link.close()
+        nan = wire.encode_chunk(c.index, 0, np.array([1, np.nan], np.float32), "none", 64)
+        assert not bad_upload(p, 1, 2, nan, c.owner)["ok"]
+        for f in followers:  # voided before the others' uploads reached the reference
             assert not f.wait(30).thread.is_alive() and "ABORTED" in f.error, f.error
     accepted = {0: WEIGHTS[0], 1: WEIGHTS[1]}
     for g in (0, 1) if failure != "screened out" else (0, 1, 2):
-        for x in (p, q):
+        for x in (p, q) if failure != "rejected after a fold" else (q,):
             upload_group(x, layout, 1, g, deltas[g], KS[g], WEIGHTS[g])
     if failure == "silent":
         time.sleep(1.0)

@@ -504,3 +504,21 @@ def test_every_hostile_reply_the_fault_drills_send_is_rejected_alone(kind, tmp_p
     rejected = play(transport, replies + [Message(content, reply_to=instruction(4))])
     assert len(rejected) == 1 and rejected[0].startswith("node 4: "), rejected
     assert_exactly(transport.global_arrays, mean_of(models, [HONEST] * 3))
+
+
+def test_the_weight_cap_known_before_a_round_is_what_rule_1_accepts_at_most():
+    """What the streaming transport tells the aggregators before a round: f x the accepted
+    history's weight per step x the round's steps; none before any history or with f = 0.
+    A weight at the cap passes rule 1 against that history, one just above it does not."""
+
+    def after_one_round():
+        rules = RobustRules(10.0, cap_weights=False)
+        assert rules.weight_cap(4) is None
+        rules.judge([Update(512.0, 4, 1.0), Update(1024.0, 4, 1.0), Update(512.0, 4, 1.2)])
+        return rules
+
+    cap = after_one_round().weight_cap(8)
+    assert cap == 10.0 * 128.0 * 8  # the median of 128, 256 and 128 tokens per step
+    assert after_one_round().judge([Update(cap, 8, 1.0)]).rejected == {}
+    assert 0 in after_one_round().judge([Update(cap * 1.01, 8, 1.0)]).rejected
+    assert RobustRules(0.0).weight_cap(4) is None

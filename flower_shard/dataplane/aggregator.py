@@ -6,8 +6,10 @@ Three calls (generic handlers, raw bytes, no generated code):
   group's token weight, compression), then one frame per chunk; answered with a JSON summary.
   A stream with a wrong or replayed token, for a round that is not open, or from a group already
   rejected is refused at once; a bad frame rejects the group (all its ranks' frames, here) and
-  ends the stream with the reason. Frames are read one at a time as gRPC delivers them (its flow
-  control holds a fast sender back), so memory does not follow the sender's pace.
+  ends the stream with the reason, and so does a stream the rank withdraws (another aggregator
+  refused it) or that breaks off (the rank died: nothing resends it). Frames are read
+  one at a time as gRPC delivers them (its flow control holds a fast sender back), so memory
+  does not follow the sender's pace.
 - ``Download`` (a rank's request): JSON with the rank's token, the element ranges of its shard
   and the round of its last global model; answered with a JSON header (full snapshot, delta,
   or nothing new) and a stream of frames. A rank that *follows* the open round gets each
@@ -67,18 +69,24 @@ class DataPlaneService:
             log.warning("refused a stream of group %s rank %s: %s", group, rank, reason)
             return wire.to_json({"ok": False, "reason": reason})
         spool = self.state.spool(group)
-        reason = spool.rejected or spool.declare(_weight(head.get("weight")))
+        reason = spool.rejected or self.state.declare(group, _weight(head.get("weight")))
         if head.get("compression") != self.state.uplink:
             reason = (
                 reason or f"compression {head.get('compression')!r}, expected {self.state.uplink!r}"
             )
         count = 0
         if reason is None:
-            for frame in frames:
-                reason = spool.add(frame)
-                if reason:
-                    break
-                count += 1
+            try:
+                for frame in frames:
+                    if frame == wire.WITHDRAW:
+                        reason = "the rank withdrew its upload (another aggregator refused it)"
+                        break
+                    reason = spool.add(frame)
+                    if reason:
+                        break
+                    count += 1
+            except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
+                reason = f"the stream broke off after {count} chunks"
         if reason:
             self.state.reject(group, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
@@ -159,10 +167,16 @@ class DataPlaneService:
 
 
 def _weight(value) -> float:
-    """A declared weight as a float; NaN for anything else (the ServerApp refuses it)."""
+    """A declared weight as a float; NaN for anything else (refused when declared)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return float("nan")
     return float(value)
+
+
+def _rpc_error():
+    import grpc
+
+    return grpc.RpcError
 
 
 def _invalid():

@@ -96,29 +96,42 @@ class RankLink:
         self, pieces: list[Piece], layout: Layout, weight: float, encoder: UplinkEncoder
     ) -> list[dict]:
         """Stream ``pieces`` to their owners; each aggregator's summary. Raises
-        :class:`DataPlaneError` when an aggregator refused the stream."""
+        :class:`DataPlaneError` when an aggregator refused the stream or could not be reached;
+        the streams to the others then end with :data:`~.wire.WITHDRAW` (they drop the group's
+        upload too: every aggregator gives the pipelined commit the same answer)."""
         head = self._ident() | {"weight": weight, "compression": encoder.kind}
         by_owner: dict[int, list[Piece]] = {}
         for piece in pieces:
             by_owner.setdefault(layout.params[piece[0]].owner, []).append(piece)
 
+        failed: list[str] = []
+
         def send(owner: int) -> dict:
             def frames():
                 yield wire.to_json(head)
                 for param, start, values in by_owner.get(owner, []):
-                    yield from encoder.frames(param, start, values)
+                    for frame in encoder.frames(param, start, values):
+                        if failed:  # withdrawn, not cancelled: a cancel may never reach it
+                            yield wire.WITHDRAW
+                            return
+                        yield frame
 
             call = self.channels[owner].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
-            return wire.from_json(_call(call, frames(), owner, self.ticket.addresses))
+            address = self.ticket.addresses[owner]
+            try:
+                summary = wire.from_json(call(frames()))
+                error = None if summary.get("ok") else f"{address} refused the upload: "
+                error = error and error + str(summary.get("reason"))
+            except _rpc_error() as exc:
+                summary, error = {"ok": False}, f"{address}: {exc.code().name} {exc.details()}"
+            if error and not failed:  # the streams to the others end with WITHDRAW
+                failed.append(f"aggregator {error}")
+            return summary
 
         with futures.ThreadPoolExecutor(max(1, len(self.channels))) as pool:
             summaries = list(pool.map(send, range(len(self.channels))))
-        refused = [(i, s["reason"]) for i, s in enumerate(summaries) if not s.get("ok")]
-        if refused:
-            i, reason = refused[0]
-            raise DataPlaneError(
-                f"aggregator {self.ticket.addresses[i]} refused the upload: {reason}"
-            )
+        if failed:
+            raise DataPlaneError(failed[0])
         return summaries
 
     def download(
@@ -202,15 +215,10 @@ class _Fetches:
         return head, out
 
 
-def _call(call, request, owner: int, addresses):
+def _rpc_error():
     import grpc
 
-    try:
-        return call(request)
-    except grpc.RpcError as exc:
-        raise DataPlaneError(
-            f"aggregator {addresses[owner]}: {exc.code().name} {exc.details()}"
-        ) from None
+    return grpc.RpcError
 
 
 class ControlClient:

@@ -44,7 +44,9 @@ def handle(service, cmd: dict) -> dict:
         state.begin(int(cmd["round"]))
         return {"ok": True}
     if op == "expect":
-        state.expect(int(cmd["round"]), [int(g) for g in cmd["groups"]])
+        cap = cmd.get("max_weight")
+        groups = [int(g) for g in cmd["groups"]]
+        state.expect(int(cmd["round"]), groups, None if cap is None else float(cap))
         return {"ok": True}
     if op == "status":
         return {"ok": True, "groups": {str(g): s for g, s in state.status().items()}}

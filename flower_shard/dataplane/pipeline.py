@@ -17,8 +17,15 @@ the fold is kept, the same element-wise outer step makes the committed model, an
 followers already hold it bit for bit (their next pull is answered ``current``). Otherwise the
 commit folds the accepted groups again from the spools, and the followers' copies are void:
 their next pull gets a full snapshot. A follow stream whose round can no longer be kept (an
-expected group was rejected, the commit left one out, a newer round began, or it waited past
-its timeout) ends with ``ABORTED``.
+expected group was rejected after a parameter was folded, the commit left one out, a newer
+round began, or it waited past its timeout) ends with ``ABORTED``.
+
+Groups the commit will refuse are not waited for, so one careless or hostile group does not
+void every round's pipelining: an expected group whose declared weight is not a finite
+positive number at most ``max_weight`` (the cap the ServerApp's rules derive from the
+accepted history), or whose upload is refused here, is dropped from the expected groups while
+no parameter is folded yet (it cannot be, before that group's first frame: a fold needs every
+expected group's). The ServerApp does not expect the groups it left out the round before.
 
 Memory: nothing beyond the aggregator's own accumulator (the fold lands where the commit's
 would); a frame's provisional values are computed per chunk (one chunk of float32, plus one for
@@ -62,6 +69,7 @@ class Pipeline:
         self.ready: set[int] = set()
         self.folding: set[int] = set()
         self.weights: dict[int, float] | None = None
+        self.max_weight = math.inf
         self.void: str | None = None
         self.epoch += 1
 
@@ -69,12 +77,43 @@ class Pipeline:
         """Wait until no parameter is being folded (before anything rewrites the state)."""
         self.state._lock.wait_for(lambda: not self.folding)
 
-    def expect(self, groups: list[int]) -> None:
+    def expect(self, groups: list[int], max_weight: float | None = None) -> None:
         self.drain()
         self.reset()  # a second call starts over: no fold of another list of groups is kept
         self.expected = sorted({int(g) for g in groups})
+        self.max_weight = math.inf if max_weight is None else float(max_weight)
+        if not self.expected:
+            self.abandon("no group expected")
         for param in self.state.by_index:  # uploads that came before the list did
             self.arrived(param)
+
+    def exclude(self, group: int, reason: str) -> bool:
+        """Stop waiting for ``group`` (the commit will refuse it): dropped from the expected
+        groups while nothing is folded, else the round's pipelining is void. Whether it was
+        dropped (the caller then folds what the others sent: :meth:`recheck`)."""
+        if self.expected is None or self.void or group not in self.expected:
+            return False
+        if self.ready or self.folding:
+            self.abandon(f"group {group}: {reason}")
+            return False
+        self.expected.remove(group)
+        log.info("round %s: not waiting for group %d: %s", self.state.open_round, group, reason)
+        if not self.expected:
+            self.abandon("no expected group left")
+        self.state._lock.notify_all()
+        return True
+
+    def _screen_weights(self) -> bool:
+        """Exclude the expected groups whose declared weight the commit will refuse; whether
+        any was."""
+        dropped = False
+        for g in list(self.expected or ()):
+            spool = self.state.spools.get(g)
+            w = None if spool is None else spool.weight
+            if w is not None and not (math.isfinite(w) and 0 < w <= self.max_weight):
+                why = f"declared weight {w:g} (the bound is {self.max_weight:g})"
+                dropped = self.exclude(g, why) or dropped
+        return dropped
 
     def abandon(self, reason: str) -> None:
         if self.expected is not None and self.void is None:
@@ -83,9 +122,27 @@ class Pipeline:
             self.state._lock.notify_all()
 
     def arrived(self, param: int) -> None:
-        """A group sent all of ``param``: fold it if every expected group has. The fold runs
-        outside the lock (its slice of the accumulator is this parameter's alone); anything
-        that rewrites the state first waits for it (:meth:`drain`)."""
+        """A group sent all of ``param``: fold it if every expected group has."""
+        self.screen()
+        self._fold(param)
+
+    def screen(self) -> None:
+        """Stop waiting for the expected groups whose declared weight the commit will refuse
+        (then fold what the others have all sent)."""
+        with self.state._lock:
+            if self.expected is None or self.void or not self._screen_weights():
+                return
+        self.recheck()
+
+    def recheck(self) -> None:
+        """After :meth:`exclude`: fold what the remaining groups have all sent."""
+        for p in list(self.state.by_index):
+            self._fold(p)
+
+    def _fold(self, param: int) -> None:
+        """Fold ``param`` if every expected group sent it. The fold runs outside the lock (its
+        slice of the accumulator is this parameter's alone); anything that rewrites the state
+        first waits for it (:meth:`drain`)."""
         state = self.state
         with state._lock:
             if self.expected is None or self.void or param in self.ready or param in self.folding:
@@ -95,8 +152,8 @@ class Pipeline:
                 return
             weights = {g: s.weight for g, s in zip(self.expected, spools)}
             total = float(sum(weights[g] for g in self.expected))
-            if not (math.isfinite(total) and total > 0 and all(w > 0 for w in weights.values())):
-                self.abandon(f"declared weights {weights}")
+            if not (math.isfinite(total) and total > 0):  # each is finite and > 0: the sum
+                self.abandon(f"declared weights {weights} sum to {total}")  # may overflow
                 return
             self.folding.add(param)
         at, n = state.offsets[param], state.by_index[param].numel

@@ -113,9 +113,17 @@ class AggregatorPool:
         for client in self.clients:
             client("begin", timeout=self.call_timeout, round=rnd)
 
-    def expect(self, rnd: int, groups: list[int]) -> None:
+    def expect(self, rnd: int, groups: list[int], max_weight: float | None = None) -> None:
+        """Name the groups of round ``rnd`` whose uploads the pipelined commit waits for (and
+        the largest weight the ServerApp will accept, None: no bound known)."""
         for client in self.clients:
-            client("expect", timeout=self.call_timeout, round=rnd, groups=sorted(groups))
+            client(
+                "expect",
+                timeout=self.call_timeout,
+                round=rnd,
+                groups=sorted(groups),
+                max_weight=max_weight,
+            )
 
     def status(self) -> dict[int, list[dict]]:
         """Group -> its status on every aggregator (a group absent from one is not complete)."""

@@ -63,7 +63,10 @@ class GroupSpool:
         return self.rejected is None and self.received == self.expected
 
     def declare(self, weight: float) -> str | None:
-        """A stream's declared token weight; every rank of a group must declare the same."""
+        """A stream's declared token weight (finite, > 0); every rank of a group must declare
+        the same. Why it is refused, or None."""
+        if not (math.isfinite(weight) and weight > 0):
+            return f"declared token weight {weight} is not a finite positive number"
         with self._lock:
             if self.weight is None:
                 self.weight = float(weight)

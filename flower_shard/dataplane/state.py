@@ -148,14 +148,15 @@ class AggregatorState:
             self.pipe.reset()
             self._lock.notify_all()  # followers of an older round give up
 
-    def expect(self, rnd: int, groups: list[int]) -> None:
-        """The groups the ServerApp sent round ``rnd`` to: the pipelined commit folds a
-        parameter once all of them sent it."""
+    def expect(self, rnd: int, groups: list[int], max_weight: float | None = None) -> None:
+        """The groups of round ``rnd`` the ServerApp expects to accept: the pipelined commit
+        folds a parameter once all of them sent it (any that declares a weight above
+        ``max_weight`` is not waited for)."""
         with self._lock:
             if rnd != self.open_round:
                 open_ = self.open_round
                 raise ValueError(f"groups expected in round {rnd}, but round {open_} is open")
-            self.pipe.expect(groups)
+            self.pipe.expect(groups, max_weight)
 
     def spool(self, group: int) -> GroupSpool:
         with self._lock:
@@ -170,11 +171,20 @@ class AggregatorState:
                 )
             return self.spools[group]
 
+    def declare(self, group: int, weight: float) -> str | None:
+        """A stream of ``group`` declared ``weight``: why it is refused, or None."""
+        reason = self.spool(group).declare(weight)
+        if reason is None:
+            self.pipe.screen()
+        return reason
+
     def reject(self, group: int, reason: str) -> None:
         """Drop ``group``'s upload of this round (a bad frame)."""
         self.spool(group).reject(reason)
         with self._lock:
-            self.pipe.abandon(f"group {group} was rejected")
+            dropped = self.pipe.exclude(group, f"its upload was refused: {reason}")
+        if dropped:
+            self.pipe.recheck()
 
     def status(self) -> dict[int, dict]:
         """Per group that streamed this round: complete, weight, squared norm, bytes, reason."""

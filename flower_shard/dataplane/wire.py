@@ -25,6 +25,9 @@ CONTROL = "Control"  # the ServerApp's calls (JSON -> JSON)
 MAX_MESSAGE = 64 << 20  # the largest gRPC message either side accepts
 CHUNK_VALUES = 1 << 20  # values per chunk by default: 4 MiB of float32
 HEADER = struct.Struct("<IQI")  # parameter index, first element, number of elements
+WITHDRAW = b"withdraw"
+"""An upload's last frame when the rank gives it up (another aggregator refused it): the
+aggregator drops the group's upload, as every aggregator then does (shorter than a header)."""
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),

@@ -129,6 +129,13 @@ class RobustRules:
             self.history.append(accepted)
         return d
 
+    def weight_cap(self, steps: int) -> float | None:
+        """The largest token count rule 1 could accept from a group of ``steps`` inner steps
+        that the history alone bounds (this round's other groups can only move it): ``f`` x
+        the history's reference x steps; None with no rule or no history."""
+        ref = self._reference(WEIGHT, []) if self.factor else None
+        return None if ref is None else self.factor * ref.value * steps
+
     # -- the three rules ------------------------------------------------------------------------
 
     def _weights(self, updates: list[Update], d: Decision) -> None:

@@ -11,8 +11,10 @@ optimizer state (:mod:`flower_shard.dataplane`). Every round:
    pseudo-gradient, chunk by chunk, straight to the aggregators (nothing through SuperLink,
    SuperNode or ClientApp), then the group replies over Flower with its metrics, its token
    count among them. With ``pipelined-commit`` the aggregators know the round's groups
-   (:meth:`sending`) and fold each parameter once all of them sent it, and the ranks
-   download the new values while they push (:mod:`flower_shard.dataplane.pipeline`);
+   (:meth:`sending`; not those left out of the last round, nor any that declares a weight
+   beyond what the robust rules' history allows) and fold each parameter once all of them
+   sent it, and the ranks download the new values while they push
+   (:mod:`flower_shard.dataplane.pipeline`);
 4. :meth:`screen` checks each valid reply against what the aggregators received: every
    aggregator has the group's complete upload, declared with the same token count; then the
    robust rules on those weights and the norms the aggregators measured;
@@ -74,6 +76,11 @@ class StreamingTransport(Transport):
         self.pool: AggregatorPool | None = None
         self.round = 0
         self._status: dict[int, list[dict]] = {}
+        self.rules = RobustRules(fed.outlier_factor, cap_weights=False)
+        """The robust rules, for the whole run: they keep the accepted history."""
+        self._sent: set[int] = set()
+        self._left_out: set[int] = set()
+        """The groups of the last round that were not accepted (not waited for next round)."""
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -123,9 +130,14 @@ class StreamingTransport(Transport):
 
     def sending(self, server_round: int, messages: list) -> None:
         """Name the round's groups to the aggregators (the pipelined commit waits for them)."""
-        if self.fed.pipelined_commit:
-            groups = [int(m.content[P.CONFIG][P.GROUP_INDEX]) for m in messages]
-            self.pool.expect(server_round, groups)
+        self._sent = {int(m.content[P.CONFIG][P.GROUP_INDEX]) for m in messages}
+        if self.fed.pipelined_commit and messages:
+            # a group left out last round (dead, refused, outlier) is likely left out again:
+            # waiting for it would void the pipelined fold; if it is accepted, the commit
+            # folds again from the spools, as without pipelining
+            groups = sorted(self._sent - self._left_out)
+            steps = max(int(m.content[P.CONFIG][P.ROUND_STEPS]) for m in messages)
+            self.pool.expect(server_round, groups, self.rules.weight_cap(steps))
 
     def node_config(
         self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
@@ -151,8 +163,6 @@ class StreamingTransport(Transport):
         rejected, not capped, and nothing is clipped; they report no update's largest
         coordinate, so that rule does not apply."""
         self._status = self.pool.status()
-        if getattr(self, "rules", None) is None:  # one per run: it keeps the accepted history
-            self.rules = RobustRules(self.fed.outlier_factor, cap_weights=False)
         out, index, updates = {}, [], []
         for i, reply in enumerate(ok):
             reason = self._upload_problem(reply)
@@ -185,6 +195,7 @@ class StreamingTransport(Transport):
         start = time.perf_counter()
         accepted = {r.group: float(r.num_tokens) for r in ok} if commit else {}
         self.pool.commit(server_round, accepted)
+        self._left_out = self._sent - {r.group for r in ok}
         sent = [sum(s["bytes"] for s in self._status.get(r.group, [])) for r in ok]
         return Aggregate(None, time.perf_counter() - start, int(max(sent, default=0)))
 
