@@ -182,9 +182,9 @@ def test_group_killed_mid_round_restarts_and_rejoins(deployment, tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5, 6]  # nothing stopped the run
     assert rounds[0]["groups_ok"] == 2
     # The kill lands while round 2 trains; on a loaded machine the group may just have replied,
-    # and then round 3 is the one its dead rank fails.
+    # and then round 3 is the one its dead rank fails (or its restart takes round 3 too).
     failed = [r for r in rounds if r["groups_rejected"]]
-    assert [r["round"] for r in failed] in ([2], [3]), rounds
+    assert [r["round"] for r in failed] in ([2], [3], [2, 3]), rounds
     assert failed[0]["groups_ok"] == 1 and "error reply" in failed[0]["rejected"][0]
     assert rounds[-1]["groups_ok"] == 2  # the restarted group is back
     assert node.restarts == restarts + 1

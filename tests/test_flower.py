@@ -565,7 +565,9 @@ def test_bad_run_config_fails_with_one_line():
     assert json.dumps(FederationConfig.from_run_config({}).group_config())
 
 
-@pytest.mark.parametrize("transport", [P.FLOWER, P.STREAMING])
+# (The streaming transport only: the simulation launcher is the same for every transport, and
+# the flower transport's exact mean is checked through a real deployment above. CI time.)
+@pytest.mark.parametrize("transport", [P.STREAMING])
 def test_simulation_mode_drives_real_groups(tmp_path, transport):
     """Simulation (virtual clients, one real group each): round 2 starts from the FedAvg of
     round 1's groups; exactly the float64 mean rounded (flower), or within 3e-6 of it
