@@ -3,6 +3,8 @@ groups of K ranks that stream to it (FSDP2's row shards, computed here)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -79,3 +81,16 @@ def download_all(p, layout, rnd, group, have=-1, shapes=None):
         parts = sorted((start, v) for (i, start), v in values.items() if i == q.index)
         out[q.name] = np.concatenate([v for _, v in parts]).reshape(q.shape)
     return mode, out
+
+
+class HeldValues:
+    """A piece whose values come once ``ready()`` (its stream stays open until then)."""
+
+    def __init__(self, values: np.ndarray, ready):
+        self.values, self.ready, self.size = values, ready, values.size
+
+    def __getitem__(self, key):
+        deadline = time.monotonic() + 60
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.values[key]

@@ -1,11 +1,23 @@
 """The streaming data plane with real aggregator processes on loopback: the exact weighted mean,
-hostile streams, compression both ways, TLS, and an aggregator's checkpoint."""
+hostile streams, a late stream of an older round, compression both ways, TLS, and an
+aggregator's checkpoint."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
-from dataplane_util import SHAPES, download_all, pool, shard_pieces, ticket, upload_group
+from dataplane_util import (
+    SHAPES,
+    HeldValues,
+    download_all,
+    pool,
+    shard_pieces,
+    ticket,
+    upload_group,
+)
 
 from flower_shard.dataplane import tickets, wire
 from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
@@ -105,6 +117,70 @@ def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
     with pytest.raises(DataPlaneError, match="did not complete"):
         p.commit(3, {0: 10.0, 6: 10.0})
     p.commit(3, {0: 10.0})
+
+
+def test_a_stream_of_an_older_round_touches_nothing_of_the_next(pool):
+    """Rank 1 of group 0 is still streaming round 1 when round 1 commits without its group and
+    round 2 begins; its next chunk (a NaN) is refused, and nothing of round 2 moves: group 0's
+    round-2 upload stands, and the model is bit for bit that of an aggregator that never saw
+    the late stream."""
+    p, layout = pool(count=1)
+    q, _ = pool(count=1)
+    rng = np.random.default_rng(3)
+    deltas = [
+        {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in SHAPES.items()}
+        for _ in range(4)
+    ]
+    release = threading.Event()
+    late = shard_pieces(layout, deltas[0], 2, 1)
+    index, start, values = late[-1]
+    poisoned = values.copy()
+    poisoned[0] = np.nan
+    late[-1] = (index, start, HeldValues(poisoned, release.is_set))
+    errors = []
+
+    def straggler():  # rank 1 of group 0, round 1: its last piece comes only after release
+        link = RankLink(ticket(p, 1, 0), 1)
+        try:
+            link.upload(late, layout, 4096.0, UplinkEncoder("none", 64))
+        except DataPlaneError as exc:
+            errors.append(str(exc))
+        finally:
+            link.close()
+
+    for x in (p, q):
+        x.begin(1)
+    thread = threading.Thread(target=straggler, daemon=True)
+    thread.start()
+    for x in (p, q):
+        upload_group(x, layout, 1, 1, deltas[1], 1, 2048.0)
+    deadline = time.monotonic() + 30
+    while not p.status().get(0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.status()[0][0]["received"] > 0  # the straggler's first pieces are in
+    for x in (p, q):
+        x.commit(1, {1: 2048.0})
+        x.begin(2)
+        for g, d in ((0, deltas[2]), (1, deltas[3])):
+            upload_group(x, layout, 2, g, d, 2, 4096.0)
+    release.set()
+    thread.join(60)
+    assert not thread.is_alive() and len(errors) == 1, errors
+    assert "non-finite" in errors[0] or "round is over" in errors[0], errors
+    assert p.status()[0][0]["complete"]  # round 2's upload of group 0 stands
+    for x in (p, q):
+        x.commit(2, {0: 4096.0, 1: 4096.0})
+    link = RankLink(ticket(p, 2, 0), 0)  # a stream of the committed round is refused
+    try:
+        with pytest.raises(DataPlaneError, match="committed or over"):
+            pieces = shard_pieces(layout, deltas[2], 1, 0)
+            link.upload(pieces, layout, 4096.0, UplinkEncoder("none", 64))
+    finally:
+        link.close()
+    for x in (p, q):
+        x.begin(3)
+    (_, seen), (_, clean) = download_all(p, layout, 3, 0), download_all(q, layout, 3, 0)
+    assert all(np.array_equal(seen[n], clean[n]) for n in SHAPES)
 
 
 def test_int8_both_ways_with_error_feedback_and_a_checkpoint(pool, tmp_path):

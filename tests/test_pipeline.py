@@ -12,7 +12,15 @@ import time
 
 import numpy as np
 import pytest
-from dataplane_util import SHAPES, download_all, pool, shard_pieces, ticket, upload_group
+from dataplane_util import (
+    SHAPES,
+    HeldValues,
+    download_all,
+    pool,
+    shard_pieces,
+    ticket,
+    upload_group,
+)
 
 from flower_shard.dataplane import tickets, wire
 from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
@@ -140,19 +148,6 @@ def bad_upload(p, rnd, group, frame, owner=0):
         return wire.from_json(call(iter([wire.to_json(head), frame])))
     finally:
         link.close()
-
-
-class HeldValues:
-    """A piece whose values come once ``ready()`` (its stream stays open until then)."""
-
-    def __init__(self, values: np.ndarray, ready):
-        self.values, self.ready, self.size = values, ready, values.size
-
-    def __getitem__(self, key):
-        deadline = time.monotonic() + 60
-        while not self.ready() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.values[key]
 
 
 def refused_upload(p, layout, rnd, group, deltas):

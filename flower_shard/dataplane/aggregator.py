@@ -68,8 +68,10 @@ class DataPlaneService:
         if reason:
             log.warning("refused a stream of group %s rank %s: %s", group, rank, reason)
             return wire.to_json({"ok": False, "reason": reason})
-        spool = self.state.spool(group)
-        reason = spool.rejected or self.state.declare(group, _weight(head.get("weight")))
+        spool = self.state.spool(group, rnd)
+        if spool is None:
+            return wire.to_json({"ok": False, "reason": f"round {rnd} is committed or over"})
+        reason = spool.rejected or self.state.declare(spool, _weight(head.get("weight")))
         if head.get("compression") != self.state.uplink:
             reason = (
                 reason or f"compression {head.get('compression')!r}, expected {self.state.uplink!r}"
@@ -88,7 +90,7 @@ class DataPlaneService:
             except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
                 reason = f"the stream broke off after {count} chunks"
         if reason:
-            self.state.reject(group, f"rank {rank}: {reason}")
+            self.state.reject(spool, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
             return wire.to_json({"ok": False, "reason": reason})
         return wire.to_json({"ok": True, "frames": count, "complete": spool.complete})
@@ -170,7 +172,10 @@ def _weight(value) -> float:
     """A declared weight as a float; NaN for anything else (refused when declared)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return float("nan")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float64: refused as not finite
+        return float("inf")
 
 
 def _rpc_error():

@@ -97,8 +97,10 @@ class RankLink:
     ) -> list[dict]:
         """Stream ``pieces`` to their owners; each aggregator's summary. Raises
         :class:`DataPlaneError` when an aggregator refused the stream or could not be reached;
-        the streams to the others then end with :data:`~.wire.WITHDRAW` (they drop the group's
-        upload too: every aggregator gives the pipelined commit the same answer)."""
+        this rank's streams to the others that are still sending then end with
+        :data:`~.wire.WITHDRAW` (they drop the group's upload too, so the pipelined commit
+        does not wait for it there either; a stream that had already ended, or another rank's,
+        is not withdrawn: if the aggregators then disagree, the commit folds again)."""
         head = self._ident() | {"weight": weight, "compression": encoder.kind}
         by_owner: dict[int, list[Piece]] = {}
         for piece in pieces:

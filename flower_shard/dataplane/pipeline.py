@@ -80,7 +80,11 @@ class Pipeline:
     def expect(self, groups: list[int], max_weight: float | None = None) -> None:
         self.drain()
         self.reset()  # a second call starts over: no fold of another list of groups is kept
-        self.expected = sorted({int(g) for g in groups})
+        spools = self.state.spools
+        # a group whose upload was refused already is not waited for either
+        self.expected = sorted(
+            {int(g) for g in groups} - {g for g, s in spools.items() if s.rejected}
+        )
         self.max_weight = math.inf if max_weight is None else float(max_weight)
         if not self.expected:
             self.abandon("no group expected")
@@ -123,7 +127,6 @@ class Pipeline:
 
     def arrived(self, param: int) -> None:
         """A group sent all of ``param``: fold it if every expected group has."""
-        self.screen()
         self._fold(param)
 
     def screen(self) -> None:
@@ -145,34 +148,54 @@ class Pipeline:
         first waits for it (:meth:`drain`)."""
         state = self.state
         with state._lock:
-            if self.expected is None or self.void or param in self.ready or param in self.folding:
-                return
-            spools = [state.spools.get(g) for g in self.expected]
-            if any(s is None or not s.has_param(param) for s in spools):
-                return
-            weights = {g: s.weight for g, s in zip(self.expected, spools)}
-            total = float(sum(weights[g] for g in self.expected))
-            if not (math.isfinite(total) and total > 0):  # each is finite and > 0: the sum
-                self.abandon(f"declared weights {weights} sum to {total}")  # may overflow
-                return
-            self.folding.add(param)
+            # screen first (a weight may have been declared since): the screen and the weights
+            # are read under one hold of the lock, so no fold uses a weight the screen missed
+            rescan = self.expected is not None and not self.void and self._screen_weights()
+            groups = list(self.expected or ())
+            spools = [state.spools.get(g) for g in groups]
+            if (
+                self.void
+                or not groups
+                or param in self.ready
+                or param in self.folding
+                or any(s is None or not s.has_param(param) for s in spools)
+            ):
+                spools = None
+            else:
+                weights = {g: s.weight for g, s in zip(groups, spools)}
+                total = float(sum(weights.values()))
+                if not (math.isfinite(total) and total > 0):  # each is finite and > 0: the
+                    self.abandon(f"declared weights {weights} sum to {total}")  # sum may not
+                    spools = None
+                else:
+                    self.folding.add(param)
+        if spools is not None:
+            self._fold_now(param, groups, spools, weights, total)
+        if rescan:
+            self.recheck()  # what the groups left have all sent
+
+    def _fold_now(self, param: int, groups: list, spools: list, weights: dict, total: float):
+        """Fold ``param`` of ``groups`` (claimed in :attr:`folding`) into the accumulator."""
+        state = self.state
         at, n = state.offsets[param], state.by_index[param].numel
-        error = None
+        error = "the fold did not finish"
         try:
             state._acc[at : at + n].fill(0.0)
-            for g, spool in zip(self.expected, spools):
+            for g, spool in zip(groups, spools):
                 scale = np.float32(weights[g] / total)
                 spool.fold_param_into(state._acc, state.offsets, param, scale)
+            error = None
         except OSError as exc:
             error = str(exc)
-        with state._lock:
-            self.folding.discard(param)
-            if error:
-                self.abandon(error)
-            elif self.void is None:
-                self.ready.add(param)
-                self.weights = weights
-            state._lock.notify_all()
+        finally:  # whatever happened, nothing may wait for this fold for ever (drain)
+            with state._lock:
+                self.folding.discard(param)
+                if error:
+                    self.abandon(error)
+                elif self.void is None:
+                    self.ready.add(param)
+                    self.weights = weights
+                state._lock.notify_all()
 
     def matches(self, accepted: dict[int, float]) -> bool:
         """Whether the pipelined fold is exactly the commit of ``accepted``."""

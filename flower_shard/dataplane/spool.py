@@ -132,8 +132,9 @@ class GroupSpool:
     def reject(self, reason: str) -> None:
         """Drop the group: its file goes, later frames are refused with ``reason``."""
         with self._lock:
-            if self.rejected is None:
-                self.rejected = reason
+            if self.rejected is not None:  # dropped already (or deleted: the file is gone)
+                return
+            self.rejected = reason
             self.close()
             self.path.unlink(missing_ok=True)
 
@@ -168,9 +169,13 @@ class GroupSpool:
                 fold.frame(fh, size, self.path)
 
     def delete(self) -> None:
-        self.close()
-        if self.path.exists():
-            os.unlink(self.path)
+        """The round is over: the file goes; a stream still sending is refused."""
+        with self._lock:
+            if self.rejected is None:
+                self.rejected = "its round is over"
+            self.close()
+            if self.path.exists():
+                os.unlink(self.path)
 
 
 class _Fold:

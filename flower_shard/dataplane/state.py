@@ -158,10 +158,14 @@ class AggregatorState:
                 raise ValueError(f"groups expected in round {rnd}, but round {open_} is open")
             self.pipe.expect(groups, max_weight)
 
-    def spool(self, group: int) -> GroupSpool:
+    def spool(self, group: int, rnd: int) -> GroupSpool | None:
+        """``group``'s spool of round ``rnd``; None once that round is committed or no longer
+        open (a stream admitted just before must not write into the next round's spools)."""
         with self._lock:
+            if rnd != self.open_round or self.round >= rnd:
+                return None
             if group not in self.spools:
-                path = self.spool_dir / f"group_{group}.bin"
+                path = self.spool_dir / f"round_{rnd}_group_{group}.bin"
                 self.spools[group] = GroupSpool(
                     path,
                     self.by_index,
@@ -171,20 +175,29 @@ class AggregatorState:
                 )
             return self.spools[group]
 
-    def declare(self, group: int, weight: float) -> str | None:
-        """A stream of ``group`` declared ``weight``: why it is refused, or None."""
-        reason = self.spool(group).declare(weight)
-        if reason is None:
+    def declare(self, spool: GroupSpool, weight: float) -> str | None:
+        """A stream declared ``weight`` for ``spool``'s group: why it is refused, or None."""
+        reason = spool.declare(weight)
+        if reason is None and self._current(spool) is not None:
             self.pipe.screen()
         return reason
 
-    def reject(self, group: int, reason: str) -> None:
-        """Drop ``group``'s upload of this round (a bad frame)."""
-        self.spool(group).reject(reason)
+    def reject(self, spool: GroupSpool, reason: str) -> None:
+        """Drop the upload ``spool`` holds (a bad frame, a broken stream); the pipelined
+        commit stops waiting for its group if that is still this round's."""
+        spool.reject(reason)
         with self._lock:
-            dropped = self.pipe.exclude(group, f"its upload was refused: {reason}")
+            group = self._current(spool)
+            dropped = group is not None and self.pipe.exclude(
+                group, f"its upload was refused: {reason}"
+            )
         if dropped:
             self.pipe.recheck()
+
+    def _current(self, spool: GroupSpool) -> int | None:
+        """The group ``spool`` belongs to if it is one of the open round's, else None."""
+        with self._lock:
+            return next((g for g, s in self.spools.items() if s is spool), None)
 
     def status(self) -> dict[int, dict]:
         """Per group that streamed this round: complete, weight, squared norm, bytes, reason."""

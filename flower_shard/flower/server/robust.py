@@ -130,9 +130,11 @@ class RobustRules:
         return d
 
     def weight_cap(self, steps: int) -> float | None:
-        """The largest token count rule 1 could accept from a group of ``steps`` inner steps
-        that the history alone bounds (this round's other groups can only move it): ``f`` x
-        the history's reference x steps; None with no rule or no history."""
+        """The token count above which the pipelined commit does not wait for a group of
+        ``steps`` inner steps: ``f`` x the history's reference x steps; None with no rule or
+        no history. Rule 1's reference also takes this round's other groups, so it may accept
+        more: such a group, accepted after all, makes the commit fold again from the spools
+        (the pipelining of that round is lost, the mean is the same)."""
         ref = self._reference(WEIGHT, []) if self.factor else None
         return None if ref is None else self.factor * ref.value * steps
 
