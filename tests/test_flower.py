@@ -320,15 +320,18 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
     """Round 1: NaN; round 2: a wrong shape; round 3: weights x 1e6 (a norm outlier)."""
     deployment.fault.write_text("1:nan,2:shape,3:huge")
     # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
+    # (The node's own SuperNode, warm ClientApp and all: Flower's cold ClientApp process per
+    # message costs seconds each round on a small machine, and answers the same.)
     ghost_dir = tmp_path / "ghost"
     ghost_dir.mkdir()
-    from flower_shard.flower.node.launcher import bin_path
     from flower_shard.launch.processes import ManagedProcess
 
     ghost = ManagedProcess(
         "ghost",
         [
-            bin_path("flower-supernode"),
+            sys.executable,
+            "-m",
+            "flower_shard.flower.node.fast_supernode",
             "--insecure",
             "--superlink",
             deployment.address,

@@ -9,6 +9,8 @@ the groups that completed, within float32 rounding of an fp64 reference.
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -127,6 +129,10 @@ def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployme
     # fold they followed (so the models compared above came that way, checked "current").
     kept = {r: "the pipelined fold kept" for r in (1, 2, 3)}
     assert commits(tmp_path) == [kept, kept]
+    # The ServerApp stopped the aggregators it started (their work dirs are under out-dir).
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    mine = [line for line in ps.splitlines() if "dataplane.aggregator" in line]
+    assert not [line for line in mine if str(tmp_path) in line], mine
 
 
 def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(
@@ -193,15 +199,3 @@ def test_int8_both_ways_trains_like_float32(deployment, tmp_path):
     assert 0.25 < ratio < 0.28, ratio
     gap = abs(int8[-1]["eval_ppl"] / base[-1]["eval_ppl"] - 1)
     assert gap < 0.02, gap
-
-
-def test_no_aggregator_is_left_running(deployment, tmp_path):
-    """The ServerApp stops the aggregators it started (their work dirs are under out-dir)."""
-    import subprocess
-
-    run(deployment, tmp_path, rounds=1)
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    mine = [
-        line for line in ps.splitlines() if "dataplane.aggregator" in line and str(tmp_path) in line
-    ]
-    assert not mine, mine
