@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +166,9 @@ class AggregatorState:
             if rnd != self.open_round or self.round >= rnd:
                 return None
             if group not in self.spools:
-                path = self.spool_dir / f"round_{rnd}_group_{group}.bin"
+                # a name no other spool had: a stream of an older round, or of a state this
+                # process held before a new configure, can only unlink its own file
+                path = self.spool_dir / f"round_{rnd}_group_{group}_{uuid.uuid4().hex[:12]}.bin"
                 self.spools[group] = GroupSpool(
                     path,
                     self.by_index,
