@@ -557,28 +557,13 @@ def test_simulation_mode_drives_real_groups(tmp_path, transport):
                 np.testing.assert_allclose(v, mean, rtol=0, atol=3e-6, err_msg=k)
 
 
-def test_node_moves_to_another_port_when_its_supernode_port_is_taken(deployment, tmp_path):
-    from flower_shard.flower.node.launcher import Node, NodeConfig
-
-    node = Node(
-        NodeConfig(superlink=deployment.address, nproc_per_group=1, work_dir=str(tmp_path / "node"))
-    )
-    taken = node.port
-    blocker = socket.create_server(("127.0.0.1", taken))
-    try:
-        node.start()
-        assert node.port != taken and node.dead() is None
-    finally:
-        node.stop()
-        blocker.close()
-
-
 def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployment, tmp_path):
     """Round 1: NaN; round 2: a wrong shape; round 3: weights x 1e6 (a norm outlier).
 
-    The module's last test on its deployment: the stopped ghost can stay online at the
+    The module's last run on its deployment: the stopped ghost can stay online at the
     SuperLink until its heartbeats are missed (up to about a minute here, seen after its
-    "terminated gracefully"), and a run started before that would wait for it."""
+    "terminated gracefully"), and a run started before that would wait for it. (The next
+    test starts and stops a node, and runs nothing; the one it stops lingers the same way.)"""
     deployment.fault.write_text("1:nan,2:shape,3:huge")
     # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
     # (The node's own SuperNode, warm ClientApp and all: Flower's cold ClientApp process per
@@ -627,3 +612,19 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
         assert np.isfinite(r["train_loss"]) and np.isfinite(r["eval_ppl"])
     final = load_file(tmp_path / "final_model.safetensors")
     assert all(np.isfinite(v).all() for v in final.values())
+
+
+def test_node_moves_to_another_port_when_its_supernode_port_is_taken(deployment, tmp_path):
+    from flower_shard.flower.node.launcher import Node, NodeConfig
+
+    node = Node(
+        NodeConfig(superlink=deployment.address, nproc_per_group=1, work_dir=str(tmp_path / "node"))
+    )
+    taken = node.port
+    blocker = socket.create_server(("127.0.0.1", taken))
+    try:
+        node.start()
+        assert node.port != taken and node.dead() is None
+    finally:
+        node.stop()
+        blocker.close()
