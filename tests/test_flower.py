@@ -564,6 +564,7 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
     SuperLink until its heartbeats are missed (up to about a minute here, seen after its
     "terminated gracefully"), and a run started before that would wait for it. (The next
     test starts and stops a node, and runs nothing; the one it stops lingers the same way.)"""
+    wait_until_online(deployment, 2)  # no node an earlier test stopped is still counted
     deployment.fault.write_text("1:nan,2:shape,3:huge")
     # A third SuperNode whose group does not exist: its ClientApp must answer with an error.
     # (The node's own SuperNode, warm ClientApp and all: Flower's cold ClientApp process per
