@@ -125,10 +125,6 @@ class Pipeline:
             log.info("round %s: no pipelined commit: %s", self.state.open_round, reason)
             self.state._lock.notify_all()
 
-    def arrived(self, param: int) -> None:
-        """A group sent all of ``param``: fold it if every expected group has."""
-        self._fold(param)
-
     def screen(self) -> None:
         """Stop waiting for the expected groups whose declared weight the commit will refuse
         (then fold what the others have all sent)."""
@@ -140,12 +136,12 @@ class Pipeline:
     def recheck(self) -> None:
         """After :meth:`exclude`: fold what the remaining groups have all sent."""
         for p in list(self.state.by_index):
-            self._fold(p)
+            self.arrived(p)
 
-    def _fold(self, param: int) -> None:
-        """Fold ``param`` if every expected group sent it. The fold runs outside the lock (its
-        slice of the accumulator is this parameter's alone); anything that rewrites the state
-        first waits for it (:meth:`drain`)."""
+    def arrived(self, param: int) -> None:
+        """A group sent all of ``param``: fold it if every expected group has. The fold runs
+        outside the lock (its slice of the accumulator is this parameter's alone); anything
+        that rewrites the state first waits for it (:meth:`drain`)."""
         state = self.state
         with state._lock:
             # screen first (a weight may have been declared since): the screen and the weights
