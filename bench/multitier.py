@@ -35,6 +35,7 @@ from pathlib import Path
 from flower_shard import protocol as P
 from flower_shard.config import TrainConfig
 from flower_shard.data.corpus import prepare_corpus
+from flower_shard.dataplane import streamlog
 from flower_shard.flower.node.launcher import env_with_bin
 from flower_shard.launch.deployment import LocalDeployment
 from flower_shard.launch.emulated_network import EmulatedNetwork, available
@@ -145,8 +146,8 @@ class LinkMeter:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), [int(p.read_text()) for p in self.paths]))
+        while not self._stop.is_set():  # wall-clock stamps: the stream logs' clock
+            self.samples.append((time.time(), [int(p.read_text()) for p in self.paths]))
             self._stop.wait(self.interval)
 
     def __enter__(self) -> LinkMeter:
@@ -175,6 +176,50 @@ class LinkMeter:
             peak = max(peak, rate(s[i], s[j]))
         busy = sum(r >= 0.5 * self.rate for r in steps) / len(steps)
         return {"peak_link_MBps": peak / 1e6, "link_busy_share": busy}
+
+    def during(self, windows: list[tuple[float, float]]) -> dict:
+        """The link while ``windows`` (disjoint wall-clock intervals) were open: the share of
+        that time in which some direction ran at half its shaped rate or more ("busy"), and
+        each direction's bytes over what its rate could carry in that time ("use"). Each
+        sampling interval counts by its overlap with the windows."""
+        s, sites = self.samples, len(self.paths)
+        open_s, busy_s, sent = 0.0, 0.0, [0.0] * sites
+        for a, b in zip(s, s[1:]):
+            span = b[0] - a[0]
+            overlap = sum(max(0.0, min(b[0], w1) - max(a[0], w0)) for w0, w1 in windows)
+            if span <= 0 or overlap <= 0:
+                continue
+            moved = [y - x for x, y in zip(a[1], b[1])]
+            open_s += overlap
+            busy_s += overlap * (max(moved) / span >= 0.5 * self.rate)
+            sent = [t + m * overlap / span for t, m in zip(sent, moved)]
+        if open_s == 0:
+            return {}
+        use = [t / (self.rate * open_s) for t in sent]
+        return {
+            "exchange_open_s": open_s,
+            "exchange_busy_share": busy_s / open_s,
+            "exchange_link_use": use,
+        }
+
+
+def stream_windows(out: Path, site_addresses: list[str]) -> list[tuple[float, float]]:
+    """The wall-clock intervals in which some data-plane stream of a group in another site than
+    the aggregators' (``site_addresses``, site 0 excluded) was open: the union of those
+    streams' intervals from every aggregator's stream log."""
+    spans = sorted(
+        (x["start"], x["end"])
+        for log in sorted(Path(out, "aggregators").glob(f"agg*/{streamlog.FILE_NAME}"))
+        for x in streamlog.read(log)
+        if any(f":{a}:" in f"{x['peer']}" for a in site_addresses)
+    )
+    merged: list[tuple[float, float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 class SiteDeployment(LocalDeployment):
@@ -236,12 +281,17 @@ def run_flower(
         raise RuntimeError(f"{transport} run failed: {summary.get('error')}")
     wall = time.perf_counter() - start
     after = dep.net.site_bytes()
-    return {
-        "metrics": flower_rounds(read_metrics(out)),
-        "inter_bytes": sum(a["inter"] - b["inter"] for a, b in zip(after, before)),
-        "intra_bytes": sum(a["intra"] - b["intra"] for a, b in zip(after, before)),
-        "wall_s": wall,
-    } | meter.figures()
+    windows = stream_windows(out, dep.net.addresses[1:]) if transport == P.STREAMING else []
+    return (
+        {
+            "metrics": flower_rounds(read_metrics(out)),
+            "inter_bytes": sum(a["inter"] - b["inter"] for a, b in zip(after, before)),
+            "intra_bytes": sum(a["intra"] - b["intra"] for a, b in zip(after, before)),
+            "wall_s": wall,
+        }
+        | meter.figures()
+        | meter.during(windows)
+    )
 
 
 def flower_rounds(records: list[dict]) -> list[dict]:
@@ -427,6 +477,10 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         "retries": run.get("retries", 0),
         "peak_link_MBps": run.get("peak_link_MBps"),
         "link_busy_share": run.get("link_busy_share"),
+        # while the streams across the link were open (streaming transport only); use per
+        # direction: [site 0 -> site 1 (download), site 1 -> site 0 (upload)]
+        "exchange_busy_share": run.get("exchange_busy_share"),
+        "exchange_link_use": run.get("exchange_link_use"),
         "wall_s": run["wall_s"],  # start-up, evaluations and the final save included
     }
 
@@ -743,6 +797,9 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             "retries": sum(r["retries"] for r in runs),
             "peak_link_MBps": med([r.get("peak_link_MBps") for r in runs]),
             "link_busy_share": med([r.get("link_busy_share") for r in runs]),
+            "exchange_busy_share": med([r.get("exchange_busy_share") for r in runs]),
+            "exchange_use_down": med([(r.get("exchange_link_use") or [None])[0] for r in runs]),
+            "exchange_use_up": med([(r.get("exchange_link_use") or [None, None])[1] for r in runs]),
         }
         if name.startswith("fl-"):
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
@@ -790,11 +847,17 @@ def _cell(value, fmt: str, unit: str = "") -> str:
     return f"{value:{fmt}}{unit}" if value is not None else f"{'-':>{width}s}"
 
 
+def _pct(entry: dict | None) -> float | None:
+    """An aggregated share's median in percent, None where it was not measured."""
+    median = (entry or {}).get("median")
+    return None if median is None else 100 * median
+
+
 def print_table(results: dict) -> None:
     print(
         f"\n{'rate':>9s} {'config':24s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
         f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s} "
-        f"{'link MB/s':>9s} {'busy':>6s}"
+        f"{'link MB/s':>9s} {'busy':>6s} {'xbusy':>6s} {'up':>5s} {'down':>5s}"
     )
     for rate, entries in results["rates"].items():
         for name, e in entries.items():
@@ -810,12 +873,13 @@ def print_table(results: dict) -> None:
                 _cell(e["ppl_equal_tokens"]["median"], "8.2f"),
                 _cell(e["ppl_at_baseline_time"]["median"], "8.2f"),
                 _cell(e.get("peak_link_MBps", {}).get("median"), "9.1f"),
-                _cell(
-                    None
-                    if e.get("link_busy_share", {}).get("median") is None
-                    else 100 * e["link_busy_share"]["median"],
-                    "5.0f",
-                    "%",
+                *(
+                    _cell(_pct(e.get(key)), "5.0f", "%")
+                    for key in ("link_busy_share", "exchange_busy_share")
+                ),
+                *(
+                    _cell(_pct(e.get(key)), "4.0f", "%")
+                    for key in ("exchange_use_up", "exchange_use_down")
                 ),
             ]
             print(f"{float(rate):7g}Mb {name:24s} " + " ".join(cells))

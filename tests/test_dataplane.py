@@ -19,15 +19,16 @@ from dataplane_util import (
     upload_group,
 )
 
-from flower_shard.dataplane import tickets, wire
+from flower_shard.dataplane import streamlog, tickets, wire
 from flower_shard.dataplane.client import DataPlaneError, RankLink, UplinkEncoder
 from flower_shard.dataplane.layout import Layout
 from flower_shard.dataplane.pool import AggregatorPool
 
 __all__ = ["pool"]  # the fixture, used by name
+LOG = streamlog.FILE_NAME
 
 
-def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool):
+def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool, tmp_path):
     p, layout = pool(count=2)
     p.begin(1)
     mode, w0 = download_all(p, layout, 1, 0)
@@ -51,6 +52,16 @@ def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool
     p.commit(1, dict(enumerate(weights)))
     p.begin(2)
     _, new = download_all(p, layout, 2, 0)
+    # Every stream is on its aggregator's stream log, with the float32 payload it carried.
+    lines = [x for i in range(2) for x in streamlog.read(tmp_path / "agg0" / f"agg{i}" / LOG)]
+    numel = sum(int(np.prod(s)) for s in SHAPES.values())
+    for g, k in enumerate((1, 2, 3)):
+        up = [x for x in lines if x["kind"] == "upload" and x["group"] == g]
+        assert sorted({x["rank"] for x in up}) == list(range(k))
+        assert all(x["outcome"] == "ok" and x["round"] == 1 and x["start"] <= x["end"] for x in up)
+        assert sum(x["bytes"] - x["frames"] * wire.HEADER.size for x in up) == 4 * numel
+    down = [x for x in lines if x["kind"] == "download" and x["round"] == 2]
+    assert sum(x["bytes"] - x["frames"] * wire.HEADER.size for x in down) == 4 * numel
     total = sum(weights)
     for n in SHAPES:
         ref = w0[n].astype(np.float64) - sum(
@@ -68,7 +79,7 @@ def test_weighted_mean_of_groups_with_different_k_equals_the_fp64_reference(pool
     assert all(np.array_equal(again[n], new[n]) for n in SHAPES)
 
 
-def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
+def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool, tmp_path):
     p, layout = pool(count=1)
     p.begin(3)
     good = {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()}
@@ -111,6 +122,9 @@ def test_hostile_streams_are_refused_and_only_that_group_is_dropped(pool):
     assert "twice" in reasons[4]["reason"] and "bytes, expected" in reasons[5]["reason"]
     assert "non-finite" in reasons[6]["reason"]
     assert all("not a finite positive number" in reasons[g]["reason"] for g in bad_weights)
+    logged = {x["group"]: x for x in streamlog.read(tmp_path / "agg0" / "agg0" / LOG)}
+    assert all(logged[g]["outcome"] == reasons[g]["reason"] for g in bad_frames)
+    assert "wrong token" in logged[1]["outcome"]
     upload_group(p, layout, 3, 0, good, 2, 10.0)
     status = p.status()
     assert status[0][0]["complete"] and all(status[g][0]["rejected"] for g in bad_frames)

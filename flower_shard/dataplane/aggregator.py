@@ -18,7 +18,8 @@ Three calls (generic handlers, raw bytes, no generated code):
 - ``Control`` (the ServerApp): JSON commands carrying the control token (configure, begin,
   status, commit, save, load, shutdown).
 
-It listens on exactly the address it is given, with TLS unless started insecure on purpose.
+It listens on exactly the address it is given, with TLS unless started insecure on purpose,
+and writes a line per finished stream to ``WORK_DIR/streams.jsonl`` (:mod:`.streamlog`).
 
     python -m flower_shard.dataplane.aggregator --listen HOST:PORT --secret-file FILE
         --work-dir DIR [--tls-cert CERT --tls-key KEY | --insecure]
@@ -39,6 +40,7 @@ from flower_shard import logs
 from flower_shard.config import choices as C
 from flower_shard.dataplane import control, tickets, wire
 from flower_shard.dataplane.pipeline import Superseded
+from flower_shard.dataplane.streamlog import StreamLog
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 512  # concurrent calls, one thread each: beyond this, calls are refused
@@ -54,23 +56,36 @@ class DataPlaneService:
         self.run = None
         self.stopped = threading.Event()
         self.followers = threading.BoundedSemaphore(MAX_FOLLOWERS)
+        self.streams = StreamLog(work_dir)
+        """A line per finished stream (:mod:`.streamlog`)."""
 
     # -- uplink --------------------------------------------------------------------------
 
     def upload(self, frames, context) -> bytes:
+        record = self.streams.open("upload", context.peer())
+        reply = {"ok": False, "reason": "the handler failed"}
+        try:
+            reply = self._upload(frames, record)
+        finally:
+            record["outcome"] = "ok" if reply["ok"] else reply["reason"]
+            self.streams.close(record)
+        return wire.to_json(reply)
+
+    def _upload(self, frames, record: dict) -> dict:
         try:
             head = wire.from_json(next(frames))
             run, rnd = str(head["run"]), int(head["round"])
             group, rank = int(head["group"]), int(head["rank"])
         except (StopIteration, ValueError, KeyError, TypeError) as exc:
-            return wire.to_json({"ok": False, "reason": f"malformed stream header ({exc})"})
+            return {"ok": False, "reason": f"malformed stream header ({exc})"}
+        record.update(run=run, round=rnd, group=group, rank=rank)
         reason = self._admit(run, rnd, group, rank, head.get("token", ""))
         if reason:
             log.warning("refused a stream of group %s rank %s: %s", group, rank, reason)
-            return wire.to_json({"ok": False, "reason": reason})
+            return {"ok": False, "reason": reason}
         spool = self.state.spool(group, rnd)
         if spool is None:
-            return wire.to_json({"ok": False, "reason": f"round {rnd} is committed or over"})
+            return {"ok": False, "reason": f"round {rnd} is committed or over"}
         reason = spool.rejected or self.state.declare(spool, _weight(head.get("weight")))
         if head.get("compression") != self.state.uplink:
             reason = (
@@ -83,17 +98,19 @@ class DataPlaneService:
                     if frame == wire.WITHDRAW:
                         reason = "the rank withdrew its upload (another aggregator refused it)"
                         break
+                    record["bytes"] += len(frame)
                     reason = spool.add(frame)
                     if reason:
                         break
                     count += 1
+                    record["frames"] = count
             except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
                 reason = f"the stream broke off after {count} chunks"
         if reason:
             self.state.reject(spool, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
-            return wire.to_json({"ok": False, "reason": reason})
-        return wire.to_json({"ok": True, "frames": count, "complete": spool.complete})
+            return {"ok": False, "reason": reason}
+        return {"ok": True, "frames": count, "complete": spool.complete}
 
     def _admit(self, run: str, rnd: int, group: int, rank: int, token: str) -> str | None:
         if self.state is None:
@@ -140,22 +157,36 @@ class DataPlaneService:
             context.abort(
                 _aborted(), f"{MAX_FOLLOWERS} ranks follow already; pull after the commit"
             )
+        record = self.streams.open("follow" if follow else "download", context.peer())
+        record.update(run=run, round=rnd, group=group, rank=rank)
+        record["outcome"] = "cut"  # unless every range went out
         try:
             for param, start, stop in ranges:
                 if follow:
                     timeout = state.follow_timeout
-                    yield from state.pipe.follow(
+                    frames = state.pipe.follow(
                         rnd, param, start, stop, mode, timeout, context.is_active
                     )
                 else:
-                    yield from state.frames(param, start, stop, mode)
+                    frames = state.frames(param, start, stop, mode)
+                try:
+                    for frame in frames:
+                        record["frames"] += 1
+                        record["bytes"] += len(frame)
+                        yield frame
+                finally:
+                    frames.close()  # as `yield from` would: a cancelled call ends it now
+            record["outcome"] = "ok"
         except ValueError as exc:
+            record["outcome"] = str(exc)
             context.abort(_invalid(), str(exc))
         except Superseded as exc:
+            record["outcome"] = str(exc)
             context.abort(_aborted(), str(exc))
         finally:
             if follow:
                 self.followers.release()
+            self.streams.close(record)
 
     # -- the ServerApp -------------------------------------------------------------------
 
