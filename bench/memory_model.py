@@ -31,7 +31,7 @@ CUDA context, the caching allocator's fragmentation. The run ends by saving the 
 (rank 0 gathers the full weights), which stays under the training peak for these batches.
 
     .venv/bin/python bench/memory_model.py                   # four runs, ~2 min on 2 cores
-    .venv/bin/python bench/memory_model.py --presets tiny --json out.json
+    .venv/bin/python bench/memory_model.py --presets tiny --ranks 2 --json out.json
 """
 
 from __future__ import annotations
@@ -145,10 +145,12 @@ def idle_rss(config: Path, ranks: int, env: dict, timeout: float) -> float:
     return statistics.mean(json.loads(f.read_text())["vm_rss"] for f in files)
 
 
-def measure(presets: list[str], work: Path, env: dict, timeout: float = 600) -> list[Check]:
-    """For K = 1 and 2: the real runs of ``presets`` and one idle world."""
+def measure(
+    presets: list[str], work: Path, env: dict, ranks_list=RANKS, timeout: float = 600
+) -> list[Check]:
+    """For each K of ``ranks_list``: the real runs of ``presets`` and one idle world."""
     checks = []
-    for ranks in RANKS:
+    for ranks in ranks_list:
         peaks = {p: train(p, ranks, work / f"{p}-k{ranks}", env, timeout) for p in presets}
         config = work / f"{presets[0]}-k{ranks}" / F.CONFIG_FILE
         idle = idle_rss(config, ranks, env, timeout)
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return idle_rank(argv[1])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", choices=list(BATCHES), default=list(BATCHES))
+    parser.add_argument(
+        "--ranks", nargs="+", type=int, choices=RANKS, default=list(RANKS), help="the K to run"
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument(
         "--default-malloc",
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.default_malloc:
         env.update(MMAP_THRESHOLD)
     with tempfile.TemporaryDirectory(prefix="memory-model-") as work:
-        checks = measure(args.presets, Path(work), env)
+        checks = measure(args.presets, Path(work), env, args.ranks)
     print(table(checks))
     if args.json:
         rows = [asdict(c) | {"ratio": c.ratio} for c in checks]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -471,9 +472,13 @@ def test_client_app_without_a_group_fails_fast_with_a_clear_error(tmp_path):
     from flower_shard.flower.client.group_client import GroupClient, GroupUnavailable
 
     start = time.monotonic()
-    with pytest.raises(GroupUnavailable, match="no flower-shard group answers"):
+    with pytest.raises(GroupUnavailable, match="no flower-shard group answers.*waited 2 s"):
         GroupClient(f"unix:{tmp_path}/missing.sock", connect_timeout=2).call(P.TRAIN, {})
     assert time.monotonic() - start < 10
+    # In a directory no node made, nothing will ever listen: it says so without waiting.
+    for address in (f"unix:{tmp_path}/nowhere/group.sock", f"unix://{tmp_path}/nowhere/g.sock"):
+        with pytest.raises(GroupUnavailable, match=f"the directory {tmp_path}/nowhere does not"):
+            GroupClient(address, connect_timeout=600).call(P.TRAIN, {})
 
 
 def test_client_app_stays_torch_free():
@@ -521,7 +526,8 @@ def test_bad_run_config_fails_with_one_line():
 def test_simulation_mode_drives_real_groups(tmp_path, transport):
     """Simulation (virtual clients, one real group each): round 2 starts from the FedAvg of
     round 1's groups; exactly the float64 mean rounded (flower), or within 3e-6 of it
-    (streaming: the aggregators fold into a float32 accumulator)."""
+    (streaming: the aggregators fold into a float32 accumulator). Streaming runs here without
+    the pipelined commit: upload, commit, download (tests/test_streaming.py: pipelined)."""
     from flower_shard.launch.simulation import simulate
 
     dump = tmp_path / "dump"
@@ -538,6 +544,7 @@ def test_simulation_mode_drives_real_groups(tmp_path, transport):
         "eval-sequences": 8,
         P.TRANSPORT: transport,
         "dataplane-insecure": transport == P.STREAMING,  # loopback, on purpose
+        "pipelined-commit": False,
     }
     summary = simulate(
         tmp_path / "work", config, groups=2, nproc_per_group=2, dump_dir=str(dump), timeout=600
@@ -555,6 +562,13 @@ def test_simulation_mode_drives_real_groups(tmp_path, transport):
                 assert np.array_equal(v, mean.astype(np.float32)), k
             else:  # as tests/test_streaming.py bounds the float32 fold
                 np.testing.assert_allclose(v, mean, rtol=0, atol=3e-6, err_msg=k)
+    if transport == P.STREAMING:  # every commit folded the spools: nothing was pipelined
+        logs = [f.read_text() for f in (tmp_path / "out" / "aggregators").glob("agg*.log")]
+        assert logs and all(
+            re.findall(r"round \d+: committed .*", text)
+            == [f"round {r}: committed groups [0, 1], folded from the spools" for r in (1, 2)]
+            for text in logs
+        ), logs
 
 
 def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployment, tmp_path):
@@ -585,7 +599,7 @@ def test_poisoned_and_missing_groups_are_rejected_and_the_round_goes_on(deployme
             "--port",
             str(free_port()),
             "--node-config",
-            f"{P.GROUP_ADDRESS}='unix:{ghost_dir}/nobody.sock'",
+            f"{P.GROUP_ADDRESS}='unix:{ghost_dir}/no-node-here/nobody.sock'",  # fails at once
         ],
         ghost_dir / "supernode.log",
         deployment.env(),

@@ -130,23 +130,21 @@ def test_activations_are_what_autograd_saves_in_a_real_llama(preset, bf16):
 
 
 def test_the_model_against_real_ranks_peak_memory(tmp_path):
-    """bench/memory_model.py, tiny and small presets, K = 1 and 2: real `flower-shard train` ranks
-    VmHWM over an idle rank's VmRSS, within 25% of the predicted peak."""
+    """bench/memory_model.py, tiny (mostly activations) and small (about half weights, gradients
+    and AdamW state) presets, sharded over K = 2: real `flower-shard train` ranks' VmHWM over an
+    idle rank's VmRSS, within 25% of the predicted peak. (K = 1 is in the benchmark's default
+    run and bench/RESULTS.md; left out here for CI time.)"""
     out = tmp_path / "memory.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--presets", "tiny", "small", "--json", str(out)],
+        [sys.executable, str(BENCH), "--presets", "tiny", "small", "--ranks", "2"]
+        + ["--json", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(r["preset"], r["ranks"]) for r in rows] == [
-        ("tiny", 1),
-        ("small", 1),
-        ("tiny", 2),
-        ("small", 2),
-    ]
+    assert [(r["preset"], r["ranks"]) for r in rows] == [("tiny", 2), ("small", 2)]
     for r in rows:
         assert r["predicted_mb"] > 150  # the state dwarfs a process's noise
         assert 0.75 <= r["ratio"] <= 1.25, proc.stdout

@@ -9,6 +9,7 @@ the groups that completed, within float32 rounding of an fp64 reference.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import numpy as np
@@ -69,9 +70,19 @@ def run(dep, out, rounds=3, **extra):
     return read_metrics(out)
 
 
-def dumped(dep, group, rnd, stage):
-    path = dep.dump / f"g{group}_r{rnd}_{stage}.safetensors"
+def dumped(dep, group, rnd, stage, dump=None):
+    path = (dump or dep.dump) / f"g{group}_r{rnd}_{stage}.safetensors"
     return load_file(path) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def float32_run(deployment, tmp_path_factory):
+    """3 rounds in float32 with the pipelined commit: the exact-mean test's run, and the int8
+    test's reference. Returns its out dir, its records and a copy of the groups' dumps."""
+    out = tmp_path_factory.mktemp("float32")
+    rounds = run(deployment, out)
+    shutil.copytree(deployment.dump, out / "dump")
+    return out, rounds, out / "dump"
 
 
 def commits(out) -> list[dict[int, str]]:
@@ -94,26 +105,26 @@ def mean64(models, weights):
     }
 
 
-def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployment, tmp_path):
-    rounds = run(deployment, tmp_path)
+def test_each_round_is_the_token_weighted_mean_of_groups_of_different_k(deployment, float32_run):
+    tmp_path, rounds, dump = float32_run
     assert [r["groups_ok"] for r in rounds] == [2, 2, 2], rounds
     # Tokens per group and round: steps x batch x seq x K (K = 1 and 2: weights 1 : 2).
     tokens = {g["group"]: g["tokens"] for g in rounds[0]["groups"]}
     assert sorted(tokens.values()) == [2 * BATCH * SEQ, 2 * BATCH * SEQ * 2]
     for rnd in (1, 2):
-        trained = [dumped(deployment, g, rnd, "trained") for g in sorted(tokens)]
+        trained = [dumped(deployment, g, rnd, "trained", dump) for g in sorted(tokens)]
         ref = mean64(trained, [tokens[g] for g in sorted(tokens)])
         for g in sorted(tokens):  # both groups start the next round from it
-            loaded = dumped(deployment, g, rnd + 1, "loaded")
+            loaded = dumped(deployment, g, rnd + 1, "loaded", dump)
             for k in ref:
                 np.testing.assert_allclose(loaded[k], ref[k], rtol=0, atol=3e-6)
         # Both groups loaded the very same weights.
-        a, b = (dumped(deployment, g, rnd + 1, "loaded") for g in sorted(tokens))
+        a, b = (dumped(deployment, g, rnd + 1, "loaded", dump) for g in sorted(tokens))
         assert all(np.array_equal(a[k], b[k]) for k in a)
     # The final model is what the aggregators hold after the last round (the groups evaluated
     # exactly it).
     final = load_file(tmp_path / "final_model.safetensors")
-    evaluated = dumped(deployment, 0, 3, "evaluated")
+    evaluated = dumped(deployment, 0, 3, "evaluated", dump)
     assert all(np.array_equal(final[k], evaluated[k]) for k in evaluated)
     # Nothing but the ticket crossed Flower; the ranks streamed the weights.
     assert all(r["exchange_bytes"] == 0 and r["outer_sync_bytes"] > 0 for r in rounds)
@@ -181,19 +192,19 @@ def test_a_group_killed_mid_upload_is_left_out_and_rejoins_from_a_full_snapshot(
         assert c[5] == "the pipelined fold kept", c
 
 
-def test_int8_both_ways_trains_like_float32(deployment, tmp_path):
-    """(float32 without the pipelined commit: the synchronous path through a deployment.)"""
-    base = run(deployment, tmp_path / "f32", rounds=2, **{"pipelined-commit": False})
-    synchronous = {1: "folded from the spools", 2: "folded from the spools"}
-    assert commits(tmp_path / "f32") == [synchronous, synchronous]
+def test_int8_both_ways_trains_like_float32(deployment, float32_run, tmp_path):
+    """The same run as the float32 one, int8 both ways, pipelined. (The synchronous path,
+    pipelined-commit off, runs in tests/test_flower.py's simulation-mode test.)"""
+    _, base, _ = float32_run
     int8 = run(
         deployment,
-        tmp_path / "int8",
-        rounds=2,
+        tmp_path,
         compression="int8",
         **{"downlink-compression": "int8", "compression-chunk": 256},
     )
-    assert [r["groups_ok"] for r in int8] == [2, 2]
+    assert [r["groups_ok"] for r in int8] == [2, 2, 2]
+    kept = {r: "the pipelined fold kept" for r in (1, 2, 3)}
+    assert commits(tmp_path) == [kept, kept]
     # Uplink: 1 byte per value plus a float32 scale per 256.
     ratio = int8[-1]["outer_sync_bytes"] / base[-1]["outer_sync_bytes"]
     assert 0.25 < ratio < 0.28, ratio

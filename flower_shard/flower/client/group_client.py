@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from flower_shard import protocol as P
@@ -31,6 +33,13 @@ class GroupClient:
     ):
         import grpc
 
+        missing = _missing_directory(self.address)
+        if missing:  # no node made it: nothing will ever listen there, so do not wait for it
+            raise GroupUnavailable(
+                f"no flower-shard group answers at {self.address} (the directory {missing} "
+                f"does not exist): start it with `flower-shard node`, or fix the node config "
+                f"key {P.GROUP_ADDRESS!r}"
+            )
         ready = grpc.channel_ready_future(self._channel)
         try:
             ready.result(timeout=self.connect_timeout)
@@ -64,3 +73,14 @@ class GroupClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _missing_directory(address: str) -> Path | None:
+    """The directory of a ``unix:`` address with an absolute path, if it does not exist. (A
+    group that restarts keeps its node's work directory: only its socket comes and goes.)"""
+    if not address.startswith("unix:"):
+        return None
+    path = address[len("unix:") :]
+    path = path[2:] if path.startswith("//") else path  # unix:///abs is unix:/abs
+    parent = Path(path).parent
+    return parent if Path(path).is_absolute() and not parent.is_dir() else None
