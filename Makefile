@@ -1,7 +1,7 @@
 # `make demo` and `make test` create .venv on first use: torch==2.13.0 first (the local CPU
 # wheel; the project's torch range then installs nothing more), then the project itself.
-# --no-compile: Python compiles what is imported on first use instead of every file at install
-# (about a minute less on a 2-core CI machine).
+# (Not --no-compile: with PYTHONDONTWRITEBYTECODE set, as on these machines, every process
+# would then compile torch's modules again at each start.)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(VENV)/bin/python -m pip install --quiet --no-compile -e '.[dev]'
+	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
