@@ -62,6 +62,24 @@ def host_store(host: str, port: int):
     return store, port
 
 
+def _first_signal_only() -> None:
+    """torchrun turns SIGTERM/SIGINT into an exception wherever the agent is, then shuts its
+    ranks down. A second signal during that shutdown (a launcher stopping the whole tree) was
+    raised again at any point, once inside the logging of the first, which printed a
+    traceback: later signals are ignored while the first one's shutdown runs."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    handler, fired = api._terminate_process_handler, []
+
+    def first_only(signum, frame):
+        if not fired:
+            fired.append(signum)
+            handler(signum, frame)
+
+    # looked up by name when torchrun installs its handlers (PContext.start)
+    api._terminate_process_handler = first_only
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     host, port = _option(argv, MASTER_ADDR), _option(argv, MASTER_PORT)
@@ -80,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[AGENT_ENV] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
+
+    _first_signal_only()
 
     try:
         torchrun(argv)
