@@ -27,7 +27,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--smoke", "--streaming", "--compression", "int8"]
-        + ["--no-flower-compression", "--overlap", "2"]
+        + ["--no-flower-compression"]
         + ["--out", str(out)],
         capture_output=True,
         text=True,
@@ -45,6 +45,9 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert 1.0 <= ratio <= 1.6, ratio
     assert fl["predicted_speedup"] > 0 and fl["fraction_of_isolated"] > 0
     assert fl["ppl_equal_tokens"]["median"] > 1
+    # The link meter: never faster than the shaper (tbf's burst aside).
+    assert 0 < fl["peak_link_MBps"]["median"] <= 1.2 * 100 / 8
+    assert 0 <= fl["link_busy_share"]["median"] <= 1
     # (The flower transport's leg, `--flower`, is left out of the smoke to keep CI short: the
     # streaming leg below covers a real Flower deployment across the sites.)
     # The streaming transport across the same sites: every rank of site 1 streams its shard to
@@ -69,13 +72,6 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert int8["inter_bytes"]["median"] < fl["inter_bytes"]["median"] / 2.5
     ppl = int8["ppl_equal_tokens"]["median"] / fl["ppl_equal_tokens"]["median"]
     assert abs(ppl - 1) < 0.01, ppl
-    # The overlapped sync in 2 fragments: every round's bytes, plus the drain's one sync at
-    # the end; the model trains the same to within 1% at equal tokens; the link meter saw it.
-    overlap = entries["fl-fsdp+ovl+F2 T=4"]
-    assert "fl-fsdp+ovl+F2+int8 T=4" not in entries  # overlap is uncompressed only
-    ratio = overlap["inter_bytes"]["median"] / overlap["predicted_inter_bytes"]
-    assert 1.0 <= ratio <= 2.0, ratio
-    ppl = overlap["ppl_equal_tokens"]["median"] / fl["ppl_equal_tokens"]["median"]
-    assert abs(ppl - 1) < 0.01, ppl
-    assert 0 < overlap["peak_link_MBps"]["median"] <= 1.2 * 100 / 8
-    assert 0 <= overlap["link_busy_share"]["median"] <= 1
+    # (The overlapped sync's leg, `--overlap`, is left out for CI time: its rule, resume and
+    # HSDP stripes are tested in tests/test_streaming_sync.py, its pricing in
+    # tests/test_costmodel.py, its figures are in bench/RESULTS.md.)
