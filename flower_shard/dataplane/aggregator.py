@@ -103,9 +103,9 @@ class DataPlaneService:
                     if reason:
                         break
                     count += 1
-                    record["frames"] = count
             except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
                 reason = f"the stream broke off after {count} chunks"
+        record["frames"] = count
         if reason:
             self.state.reject(spool, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)

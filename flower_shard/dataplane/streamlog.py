@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 FILE_NAME = "streams.jsonl"
-KINDS = ("upload", "download", "follow")
 
 
 class StreamLog:
