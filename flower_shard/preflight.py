@@ -92,7 +92,7 @@ def check_federation(fed: FederationConfig) -> FederationConfig:
     """:func:`check` for the ServerApp's side of a Flower run (a stand-in topology: the groups
     check their own when a run reaches them); returns ``fed``."""
     fed = dataclasses.replace(fed, train=with_model_tokenizer(fed.train))
-    check(dataclasses.replace(fed.train, groups=1, nproc_per_group=1, nnodes=1))
+    check(fed.stand_in())
     check_out(fed.train, flag="out-dir")
     if fed.transport == P.STREAMING:
         for flag, path in (

@@ -44,6 +44,9 @@ ROUND_STEPS = "round-steps"  # T of this round (the run's local-steps, or adapti
 ROUND_SECONDS = "round-seconds"  # time-budgeted rounds: train this long (0: round-steps)
 RESUME_ROUND = "resume-round"  # > 0: the run resumes after this round; groups load its checkpoint
 TICKET = "ticket"  # streaming: the round's ticket (JSON: aggregators' addresses, the token)
+# streaming with outer-overlap: this round ends with a synchronous exchange (the last round, and
+# each round that checkpoints): nothing stays in flight after it
+OUTER_DRAIN = "outer-drain"
 # flower transport with downlink-compression: the message's arrays are a compressed delta of
 # this kind (absent: a float32 snapshot, PACKED) from the model version DOWNLINK_BASE that the
 # group holds, giving version DOWNLINK_VERSION
@@ -60,6 +63,7 @@ PER_ROUND_KEYS = (
     ROUND_STEPS,
     ROUND_SECONDS,
     TICKET,
+    OUTER_DRAIN,
     DOWNLINK,
     DOWNLINK_BASE,
     DOWNLINK_VERSION,
@@ -73,6 +77,7 @@ LOCAL_STEPS = "local-steps"
 TRANSPORT = "transport"
 OUTER_OPTIMIZER = "outer-optimizer"
 OUTER_LR = "outer-lr"
+OUTER_OVERLAP = "outer-overlap"  # streaming: exchange round r's update while round r+1 trains
 OUTER_MOMENTUM = "outer-momentum"
 MIN_GROUPS = "min-groups"
 DATA_PARTITIONS = "data-partitions"
@@ -151,6 +156,10 @@ INTER_BYTE_SHARE = "inter_byte_share"  # outer sync bytes / all bytes a rank sen
 CHECKPOINT_S = "checkpoint_s"
 GROUP = "group"  # a group's index
 STEPS = "steps"  # a group's inner steps this round
+# streaming with outer-overlap: 1 when the group streamed no update this round (its first round
+# after pulling the global model: its update goes out while it trains the next one); then STEPS
+# and NUM_TOKENS are this round's own, else those of the update it streamed
+HELD_BACK = "held_back"
 GROUP_ROUND_S = "group_round_s"  # a group's own time for the round (load, train, sync, save)
 CLIENTAPP_PID = "clientapp_pid"  # the process that served the message (one per node when warm)
 # What the ServerApp adds to a round's record.

@@ -9,6 +9,7 @@ the groups that completed, within float32 rounding of an fp64 reference.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -210,3 +211,64 @@ def test_int8_both_ways_trains_like_float32(deployment, float32_run, tmp_path):
     assert 0.25 < ratio < 0.28, ratio
     gap = abs(int8[-1]["eval_ppl"] / base[-1]["eval_ppl"] - 1)
     assert gap < 0.02, gap
+
+
+def fold(base, updates, tokens):
+    """The aggregators' fedavg step, in their float32 operations: ``base - sum_g f32(w_g / W)
+    (base - s_g)``, the groups in order."""
+    total = float(sum(tokens))
+    out = {}
+    for k in base:
+        acc = np.zeros_like(base[k])
+        for s, w in zip(updates, tokens):
+            acc = acc + np.float32(w / total) * (base[k] - s[k])
+        out[k] = base[k] - acc
+    return out
+
+
+def rebased(trained, new_global, sent):
+    """The overlapped rule's rebase, in float32: ``theta + (X - s)``."""
+    return {k: trained[k] + (new_global[k] - sent[k]) for k in trained}
+
+
+def test_overlapped_rounds_follow_the_delayed_rule_exactly(deployment, tmp_path):
+    """outer-overlap, 4 rounds (the 4th drains). Round 1 holds its update back; in round r
+    each group pushes what it sent at the end of round r - 1 while it trains round r, and
+    before it trains moves by ``X - s`` (the global model that came back for what it sent).
+    Every rebased model and the final model are the rule's, bit for bit, from the groups'
+    trained weights; the downloads of rounds 3 and 4 came while the groups uploaded."""
+    rounds = run(deployment, tmp_path, rounds=4, **{P.OUTER_OVERLAP: True})
+    assert [r["groups_ok"] for r in rounds] == [2, 2, 2, 2], rounds
+    per = {g["group"]: g["tokens"] for g in rounds[0]["groups"]}  # one round's steps
+    groups = sorted(per)
+    tokens = [per[g] for g in groups]
+    # The records count the tokens folded: none in round 1, both rounds' in the drain.
+    assert [r["tokens"] for r in rounds] == [0, sum(tokens), 2 * sum(tokens), 4 * sum(tokens)]
+
+    def dump(rnd, stage):
+        return [dumped(deployment, g, rnd, stage) for g in groups]
+
+    x = dump(1, "loaded")[0]  # the first global model; round 1 commits nothing
+    sent = dump(1, "trained")  # round 2 sends round 1's weights as they are
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(dump(2, "rebased"), sent) for k in a)
+    for rnd in (3, 4):
+        x = fold(x, sent, tokens)  # the global model of round rnd - 1
+        sent = [rebased(t, x, s) for t, s in zip(dump(rnd - 1, "trained"), sent)]
+        for got, want in zip(dump(rnd, "rebased"), sent):
+            assert all(np.array_equal(got[k], want[k]) for k in want), rnd
+    x = fold(x, dump(4, "trained"), [2 * w for w in tokens])  # the drain: theta itself
+    final = load_file(tmp_path / "final_model.safetensors")
+    for model in [final, *dump(4, "evaluated")]:
+        assert all(np.array_equal(model[k], x[k]) for k in x)
+    # Rounds 2-4 kept the fold the ranks followed while they pushed; in rounds 3 and 4 every
+    # rank's confirming download found its view current (no values: the download was hidden).
+    kept = {r: "the pipelined fold kept" for r in (2, 3, 4)}
+    assert [{r: c[r] for r in (2, 3, 4)} for c in commits(tmp_path)] == [kept, kept]
+    lines = [
+        line
+        for path in (tmp_path / "aggregators").glob("*/streams.jsonl")
+        for line in map(json.loads, path.read_text().splitlines())
+    ]
+    ranks = [s for s in lines if s["kind"] == "download" and s["group"] >= 0]  # not the server
+    confirms = [s for s in ranks if s["round"] in (3, 4)]  # and the evaluation's after the drain
+    assert len(confirms) == 3 * 2 * 3 and all(s["frames"] == 0 for s in confirms), confirms

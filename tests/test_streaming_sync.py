@@ -276,7 +276,31 @@ def test_settings_it_does_not_cover_fail_in_one_line(overrides, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("key,value", [("outer-overlap", True), ("outer-fragments", 2)])
-def test_a_flower_run_config_with_them_is_refused(key, value):
-    with pytest.raises(ConfigError, match="not yet through Flower"):
-        FederationConfig.from_run_config({key: value})
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        ({"outer-fragments": 2, "transport": "streaming"}, "not through Flower"),
+        ({"outer-overlap": True}, "set transport = 'streaming'"),
+        ({"outer-overlap": True, "transport": "collective"}, "not on 'collective'"),
+        (
+            {"outer-overlap": True, "transport": "streaming", "pipelined-commit": False},
+            "keep pipelined-commit = true",
+        ),
+        (
+            {"outer-overlap": True, "transport": "streaming", "adaptive-t": True},
+            "drop adaptive-t",
+        ),
+    ],
+)
+def test_a_flower_run_config_they_do_not_cover_is_refused(config, words):
+    """Through Flower, overlap runs on the streaming transport (tests/test_streaming.py), with
+    the pipelined commit, and fixed or time-budgeted rounds; fragments not at all."""
+    with pytest.raises(ConfigError) as err:
+        FederationConfig.from_run_config(config)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_streaming_run_config_with_overlap_is_accepted():
+    streaming = {"transport": "streaming", "dataplane-insecure": True}
+    fed = FederationConfig.from_run_config({"outer-overlap": True} | streaming)
+    assert fed.train.outer_overlap and fed.group_config()["outer-overlap"] is True

@@ -156,11 +156,7 @@ class FederationConfig:
                 f"round-seconds {self.round_seconds} must be below round-timeout "
                 f"{self.round_timeout}, or every round would time out"
             )
-        if self.train.outer_fragments > 1 or self.train.outer_overlap:
-            raise ConfigError(
-                "outer-fragments and outer-overlap run in the one-job driver (`flower-shard "
-                "train`), not yet through Flower: drop them from the run config"
-            )
+        self._validate_overlap()
         check_address("collective-address", self.collective_address)
         self._validate_robust()
         if self.transport == P.STREAMING:
@@ -172,8 +168,43 @@ class FederationConfig:
             )
         # The group-level field checks (T, rounds, ...) with a stand-in topology; the ones that
         # need I/O are flower_shard.preflight.check_federation's.
-        dataclasses.replace(self.train, groups=1, nproc_per_group=1, nnodes=1).validate()
+        self.stand_in().validate()
         return self
+
+    def stand_in(self) -> TrainConfig:
+        """The group fields with a stand-in topology of one group of one rank, for the checks
+        that do not need the groups' own (the overlap of several groups: above)."""
+        return dataclasses.replace(
+            self.train, groups=1, nproc_per_group=1, nnodes=1, outer_overlap=False
+        )
+
+    def _validate_overlap(self) -> None:
+        """outer-fragments and outer-overlap through Flower: overlap on the streaming
+        transport only (:mod:`flower_shard.flower.group.overlap`)."""
+        t = self.train
+        if t.outer_fragments > 1:
+            raise ConfigError(
+                "outer-fragments runs in the one-job driver (`flower-shard train`), not through "
+                "Flower: drop it from the run config"
+            )
+        if not t.outer_overlap:
+            return
+        refused = [
+            (
+                self.transport != P.STREAMING,
+                f"runs on the {P.STREAMING!r} transport (or in the one-job driver, `flower-shard "
+                f"train`), not on {self.transport!r}: set transport = {P.STREAMING!r}",
+            ),
+            (
+                not self.pipelined_commit,
+                "takes the new global model while it is folded: keep pipelined-commit = true",
+            ),
+            (t.adaptive_t, "hides the exchange adaptive-t sizes T by: drop adaptive-t"),
+            (t.sync_optimizer_state, "moves weights, not AdamW's moments: drop it"),
+        ]
+        for wrong, why in refused:
+            if wrong:
+                raise ConfigError(f"outer-overlap {why}")
 
     def _validate_robust(self) -> None:
         """The robust rules' settings (:mod:`flower_shard.flower.server.robust`)."""
@@ -236,6 +267,7 @@ class FederationConfig:
             P.OUTER_OPTIMIZER: t.outer,
             P.OUTER_LR: t.outer_lr,
             P.OUTER_MOMENTUM: t.outer_momentum,
+            P.OUTER_OVERLAP: t.outer_overlap,
             P.ROUND_TIMEOUT: self.round_timeout,
             P.SYNC_TIMEOUT: self.sync_timeout,
             P.COLLECTIVE_ADDRESS: self.collective_address,

@@ -80,8 +80,10 @@ class TrainConfig:
     --compression (flower_shard/runtime/streaming_sync.py)."""
     outer_overlap: bool = False
     """Overlap each sync with the next round's steps: send and go on, apply the result one round
-    later on top of the group's progress since (Streaming DiLoCo, one sync of delay). Same scope
-    as --outer-fragments; every checkpoint and the run's end wait for the syncs in flight."""
+    later on top of the group's progress since (Streaming DiLoCo, one sync of delay). One-job
+    runs as --outer-fragments; through Flower on the streaming transport (its update crosses
+    while the group trains the next round: flower_shard/flower/group/overlap.py). Every
+    checkpoint and the run's end wait for the syncs in flight."""
     model: str = "tiny"
     """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
     directory: config.json alone (built from it, initialised from the seed) or with safetensors

@@ -36,13 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class _Delta:
-    """``view - local`` of one piece, computed per slice (what the encoder reads)."""
+    """``view - local`` of one piece, computed per slice (what the encoder reads); ``local``
+    is the shard itself or, overlapped, its snapshot (a numpy array)."""
 
     def __init__(self, view: np.ndarray, local):
         self.view, self.local, self.size = view, local, view.size
 
     def __getitem__(self, s: slice) -> np.ndarray:
-        return self.view[s] - self.local[s].detach().float().cpu().numpy()
+        local = self.local[s]
+        if not isinstance(local, np.ndarray):
+            local = local.detach().float().cpu().numpy()
+        return self.view[s] - local
 
 
 class RankExchange:
@@ -89,6 +93,8 @@ class RankExchange:
         self._follower: threading.Thread | None = None
         self._followed: tuple[int, bool] | None = None
         """What the view holds once the follower is done: (round, provisional), or None."""
+        self.sent: dict[int, np.ndarray] = {}
+        """Overlapped: the weights whose update is out (or goes out next), per piece."""
 
     @property
     def leader(self) -> bool:
@@ -178,8 +184,9 @@ class RankExchange:
             self._share_with_replicas()
         return mode
 
-    def _share_with_replicas(self) -> None:
-        """HSDP: replica 0's shards and view to the other replicas (replicate group)."""
+    def _share_with_replicas(self, shards: bool = True) -> None:
+        """HSDP: replica 0's shards (unless not ``shards``) and view to the other replicas
+        (replicate group)."""
         import torch
         import torch.distributed as dist
 
@@ -187,7 +194,7 @@ class RankExchange:
         device = self.pieces[0][1].device if self.pieces else torch.device("cpu")
         for i, local, _, _ in self.pieces:
             view = torch.from_numpy(self.view[i])
-            for t in (local, view):
+            for t in (local, view) if shards else (view,):
                 buf = t if t.device == device else t.to(device)
                 dist.broadcast(buf, group=pg, group_src=0)
                 if buf is not t:
@@ -196,9 +203,53 @@ class RankExchange:
         dist.broadcast(rnd, group=pg, group_src=0)
         self.have_round = int(rnd.item())
 
-    def push(self, link: RankLink | None, weight: float) -> None:
-        """Stream ``view - local`` of every piece (replica 0 only)."""
+    def push(self, link: RankLink | None, weight: float, snapshot: bool = False) -> None:
+        """Stream ``view - local`` of every piece (replica 0 only); ``snapshot``: from the
+        weights :meth:`snapshot` took, while the shards train on."""
         if not self.leader:
             return
-        pieces = [(i, start, _Delta(self.view[i], local)) for i, local, start, _ in self.pieces]
+        pieces = [
+            (i, start, _Delta(self.view[i], self.sent[i] if snapshot else local))
+            for i, local, start, _ in self.pieces
+        ]
         link.upload(pieces, self.layout, weight, self.encoder)
+
+    # -- the overlapped sync (flower_shard.flower.group.overlap) ------------------------------
+
+    def confirm(self, link: RankLink | None) -> str:
+        """Bring the view (not the shards) to the last committed global model: nothing when
+        the round it followed was committed as followed, else the delta or a full snapshot;
+        the mode it came in. HSDP: the replicas get the view."""
+        mode = "none"
+        if self.leader:
+            self._join_follower()
+
+            def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
+                self._into_view(how, param, start, values)
+
+            mode, rnd, _ = link.download(
+                self.ranges(), self.layout, self.have_round, sink=sink, provisional=self.provisional
+            )
+            self.have_round, self.provisional = rnd, False
+        if self.replicate_pg is not None:
+            self._share_with_replicas(shards=False)
+        return mode
+
+    def rebase(self) -> None:
+        """``local += view - sent``: the group's progress since it sent ``sent`` goes on top
+        of the global model that came back for it (every replica: each has its own copy)."""
+        import torch
+
+        for i, local, _, _ in self.pieces:
+            moved = np.subtract(self.view[i], self.sent[i])
+            local.add_(torch.from_numpy(moved).to(local.device))
+
+    def snapshot(self) -> None:
+        """Keep a copy of the shards' weights (M / K float32) to push while they train on."""
+        self.sent = {i: p.detach().float().cpu().numpy().copy() for i, p, _, _ in self.pieces}
+
+    def forget(self) -> None:
+        """Drop the snapshot and what the view is known to hold (after a failure, a drain)."""
+        self.sent = {}
+        self._join_follower()
+        self.have_round, self.provisional = -1, False

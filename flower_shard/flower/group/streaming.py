@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class StreamExchange:
         self.rank = dist.get_rank()
         self.exchange: RankExchange | None = None
         self.sent_bytes = 0
+        self._pusher: threading.Thread | None = None
+        self._failure: str | None = None
 
     def _link(self, config: dict) -> RankLink:
         ticket = tickets.Ticket.from_config(json.loads(str(config[P.TICKET])))
@@ -96,6 +99,61 @@ class StreamExchange:
 
         _vote(_attempt(push), control, "push")
         return time.perf_counter() - start, self.exchange.encoder.sent_bytes
+
+    # -- overlapped (flower_shard.flower.group.overlap) ---------------------------------------
+
+    def confirm(self, config: dict, control) -> float:
+        """Every rank: the view to the last committed global model (the shards keep training
+        their own); the seconds it took."""
+        start = time.perf_counter()
+
+        def confirm() -> None:
+            link = self._link(config)
+            try:
+                self.exchange.confirm(link if self.exchange.leader else None)
+            finally:
+                link.close()
+
+        _vote(_attempt(confirm), control, "pull")
+        return time.perf_counter() - start
+
+    def start_push(self, config: dict, weight: int, on_frame=None) -> None:
+        """Every rank: stream ``view - sent`` (the snapshot) in the background, following the
+        round; :meth:`finish_push` waits for it."""
+        self._failure = None
+        self.exchange.encoder.sent_bytes = 0
+        self.exchange.encoder.on_frame = on_frame
+
+        def push() -> None:
+            link = self._link(config)
+            try:
+                self.exchange.follow(self._link(config))
+                self.exchange.push(link, float(weight), snapshot=True)
+            finally:
+                link.close()
+
+        def run() -> None:
+            try:
+                self._failure = _attempt(push)
+            except Exception as exc:  # noqa: BLE001 - any failure is the group's, voted on
+                self._failure = f"{type(exc).__name__}: {exc}"
+
+        self._pusher = threading.Thread(target=run, name="overlapped-push", daemon=True)
+        self._pusher.start()
+
+    def finish_push(self, control) -> tuple[float, int]:
+        """Every rank: wait for :meth:`start_push`; (seconds waited, bytes this rank sent).
+        Raises :class:`DataPlaneError` on every rank if any rank's push failed."""
+        start = time.perf_counter()
+        self.join_push()
+        _vote(self._failure, control, "push")
+        return time.perf_counter() - start, self.exchange.encoder.sent_bytes
+
+    def join_push(self) -> None:
+        """Wait for a background push, if one runs (its failure stays in ``_failure``)."""
+        if self._pusher is not None:
+            self._pusher.join()
+            self._pusher = None
 
 
 def _attempt(action) -> str | None:

@@ -28,6 +28,7 @@ from flower_shard.dataplane.client import DataPlaneError
 from flower_shard.flower.group import exchange
 from flower_shard.flower.group.abandon import Abandonment
 from flower_shard.flower.group.faults import inject_death, inject_metric_fault, upload_hook
+from flower_shard.flower.group.overlap import OverlappedRounds
 from flower_shard.flower.group.resume import GroupCheckpoints, resume_round, run_key
 from flower_shard.flower.group.streaming import StreamExchange
 from flower_shard.preflight import check, prepare_for
@@ -65,6 +66,8 @@ class GroupRun:
     """Flower transport: the reply's weights (and compression's state)."""
     stream: StreamExchange | None = None
     """Streaming transport: this rank's link to the aggregators (its view, its encoder)."""
+    overlap: OverlappedRounds | None = None
+    """Streaming transport with outer-overlap: the update in flight or pending."""
     holds_global: bool = True
     """Collective transport: the group's model is the last round's global model (False for a
     runtime rebuilt mid-run without that round's checkpoint, until it catches up)."""
@@ -158,7 +161,8 @@ class GroupWorker:
             trainer = GroupTrainer(cfg, place, data)
             replicas = place.replicate_pg()
             stream = StreamExchange(cfg, trainer.model, replicas, self.root_certificates)
-            self.run = GroupRun(key, trainer, stream=stream)
+            overlap = OverlappedRounds(stream) if config.get(P.OUTER_OVERLAP) else None
+            self.run = GroupRun(key, trainer, stream=stream, overlap=overlap)
         else:
             flower = exchange.FlowerExchange(cfg, self.rank, self.fault_file)
             self.run = GroupRun(key, GroupTrainer(cfg, place, data), exchange=flower)
@@ -191,7 +195,8 @@ class GroupWorker:
                 self.run.exchange.set_global(loaded)
             self.dump(config, "loaded")
         pulled_s = 0.0
-        if self.run.stream is not None:  # the round's global model, from the aggregators
+        overlap = self.run.overlap
+        if self.run.stream is not None and not (overlap and overlap.skips_pull()):
             try:
                 pulled_s = self.run.stream.pull(config, self.control)
             except DataPlaneError as exc:
@@ -213,6 +218,14 @@ class GroupWorker:
         rnd = int(config[P.SERVER_ROUND])
         if self.run.cross is not None and (refusal := self.join(config)):
             return {P.H_ERROR: refusal}, {}
+        overlap, hook = self.run.overlap, upload_hook(self.fault_file, rnd)
+        if overlap is not None:  # the last round's update goes out while this one trains
+            try:
+                rebased = partial(self.dump, config, "rebased")
+                overlap.before_steps(config, self.control, rebased, hook)
+            except DataPlaneError as exc:
+                overlap.reset()
+                return {P.H_ERROR: f"streaming: {exc}"}, {}
         steps = self.train_steps(config)
         metrics = step_metrics(config, steps, t)
         arrays = {}
@@ -222,12 +235,17 @@ class GroupWorker:
                 return {P.H_ERROR: f"{P.SYNC_ABANDONED}, weights kept: {failure}"}, {}
         elif self.run.stream is not None:
             self.dump(config, "trained")
-            hook = upload_hook(self.fault_file, rnd)
             try:
-                pushed_s, sent = self.run.stream.push(config, steps.tokens, self.control, hook)
+                if overlap is not None:
+                    metrics |= overlap.after_steps(config, steps, self.control, hook)
+                    metrics[P.OUTER_SYNC_S] += pulled_s
+                else:
+                    pushed_s, sent = self.run.stream.push(config, steps.tokens, self.control, hook)
+                    metrics |= {P.OUTER_SYNC_S: pulled_s + pushed_s, P.OUTER_SYNC_BYTES: sent}
             except DataPlaneError as exc:
+                if overlap is not None:
+                    overlap.reset()
                 return {P.H_ERROR: f"streaming: {exc}"}, {}
-            metrics |= {P.OUTER_SYNC_S: pulled_s + pushed_s, P.OUTER_SYNC_BYTES: sent}
         else:
             trained = exchange.full_weights(t.model)
             if self.rank == 0:

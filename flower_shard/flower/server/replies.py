@@ -104,6 +104,8 @@ SYNC_FIELDS = (
     Field("outer_sync_bytes", P.OUTER_SYNC_BYTES, False, 0.0, lambda r: MAX_BYTES),
 )
 """What a group reports of a cross-group sync it ran itself (the collective transport)."""
+HELD_BACK_FIELD = Field("held_back", P.HELD_BACK, True, 0, lambda r: 1, required=False)
+"""Overlapped streaming: the group streamed no update this round (it goes out next round)."""
 EVAL_FIELD = Field("eval_loss", P.EVAL_LOSS, False, 0.0, lambda r: MAX_LOSS)
 EVAL_PULL_FIELD = Field(
     "eval_pull_s", P.EVAL_PULL_S, False, 0.0, lambda r: MAX_EVAL_PULL_S, required=False
@@ -130,6 +132,7 @@ class TrainReply:
     """The group's size K, from its token count (``steps x batch x seq x K``); 0: not derived."""
     outer_sync_s: float = 0.0
     outer_sync_bytes: float = 0.0
+    held_back: int = 0
     payload: Payload | None = None
 
 

@@ -222,7 +222,8 @@ class GroupFigures:
     @classmethod
     def of(cls, ok: list[TrainReply]) -> GroupFigures:
         """Tokens summed, the loss token-weighted, the LR averaged, times and bytes the
-        slowest (largest) group's."""
+        slowest (largest) group's. Overlapped streaming: the tokens of the updates folded (a
+        group's held-back steps count in the round that folds them)."""
         if not ok:
             return cls()
         tokens = [r.num_tokens for r in ok]
@@ -230,7 +231,7 @@ class GroupFigures:
             GroupShare(r.group, r.steps, r.num_tokens, r.compute_s, r.clientapp_pid) for r in ok
         ]
         return cls(
-            round_tokens=int(sum(tokens)),
+            round_tokens=int(sum(r.num_tokens for r in ok if not r.held_back)),
             train_loss=float(np.average([r.train_loss for r in ok], weights=tokens)),
             lr=float(np.mean([r.lr for r in ok])),
             compute_s=max(r.compute_s for r in ok),

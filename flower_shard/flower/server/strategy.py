@@ -72,8 +72,7 @@ class ShardedFedAvg(Strategy):
 
     Each round, every member node (one group each) gets the run config with ``round-steps`` =
     T, its data partition (``group-index``, kept for the run: :mod:`.membership`) and the
-    transport's records. Every
-    reply is checked before use (:mod:`~flower_shard.flower.server.replies`: error replies,
+    transport's records. Every reply is checked before use (:mod:`.replies`: error replies,
     each metric's type, finiteness and range, the arrays): a bad reply, or one that does not
     come within ``round-timeout``, is rejected with its reason in the log and in the round's
     ``rejected`` list, and the round goes on with the others. With at least ``min-groups``
@@ -95,13 +94,11 @@ class ShardedFedAvg(Strategy):
         self.final_weights: dict[str, np.ndarray] = {}
         """The model after the run (empty if the transport could not get one)."""
         self._sent: list[Message] = []
-        """The training messages of the round in flight (configure_train's): what its replies
-        answer, and what they must match."""
+        """The round's training messages in flight: what its replies answer and must match."""
         self.slots = DataSlots(fed.data_partitions)
         """Each node's data partition, kept for the run (saved in the server checkpoint)."""
         self._ranks: dict[int, int] = {}
-        """Node -> its group's size K in its valid reply of the last round (a K that changes
-        from one round to the next is refused once)."""
+        """Node -> its group's K in its valid reply of the last round (a new K is refused once)."""
 
     # -- Flower's Strategy hooks -----------------------------------------------------------------
 
@@ -253,6 +250,8 @@ class ShardedFedAvg(Strategy):
         per_round = {P.ROUND_STEPS: plan.steps}
         if plan.seconds:
             per_round[P.ROUND_SECONDS] = plan.seconds
+        if self.fed.train.outer_overlap:  # nothing in flight after the last round, a checkpoint
+            per_round[P.OUTER_DRAIN] = plan.last or self.fed.train.checkpoint_due(plan.round)
         round_config = ConfigRecord(dict(config) | per_round)
         self.transport.admit(messenger)
         self.transport.begin_round(plan.round)
@@ -347,10 +346,11 @@ class ShardedFedAvg(Strategy):
         """What the round's training replies must match, from its messages as pushed."""
         t = self.fed.train
         configs = [m.content[P.CONFIG] for m in self._sent]
+        steps = [int(c.get(P.ROUND_STEPS, t.local_steps)) for c in configs]
         return R.ReplyRules(
             asked=R.asked_nodes(self._sent),
             groups={m.metadata.dst_node_id: c[P.GROUP_INDEX] for m, c in zip(self._sent, configs)},
-            max_steps=max((int(c.get(P.ROUND_STEPS, t.local_steps)) for c in configs), default=0),
+            max_steps=self.transport.update_steps(max(steps, default=0)),
             tokens_per_step=t.batch_size * t.seq_len,
             max_lr=t.lr * (1 + 1e-6),
             # A group that replied in time worked less than round-timeout after the push

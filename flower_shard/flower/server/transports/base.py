@@ -122,6 +122,11 @@ class Transport(ABC):
         """The round's train messages, built and about to be sent (default: nothing to note)."""
         return None
 
+    def update_steps(self, steps: int) -> int:
+        """The most inner steps a reply's update can cover in a round of ``steps`` (default:
+        that round's; overlapped streaming also the round before's)."""
+        return steps
+
     def seat(self, members: list[int]) -> None:
         """The round's members, in the order of their messages (default: nothing to note)."""
         return None

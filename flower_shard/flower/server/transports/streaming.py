@@ -81,6 +81,13 @@ class StreamingTransport(Transport):
         self._sent: set[int] = set()
         self._left_out: set[int] = set()
         """The groups of the last round that were not accepted (not waited for next round)."""
+        self.overlap = fed.train.outer_overlap
+        if self.overlap:
+            self.reply_fields = R.SYNC_FIELDS + (R.HELD_BACK_FIELD,)
+        self._carried = 0
+        """Overlapped: the steps of the round before, whose updates go out in this one (0: it
+        drained, or this is the run's first or resumed round: nothing is pending)."""
+        self._update_steps = 0
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -130,14 +137,35 @@ class StreamingTransport(Transport):
 
     def sending(self, server_round: int, messages: list) -> None:
         """Name the round's groups to the aggregators (the pipelined commit waits for them)."""
+        last_round = self._sent - self._left_out  # accepted (or held back) last round
         self._sent = {int(m.content[P.CONFIG][P.GROUP_INDEX]) for m in messages}
+        steps = max((int(m.content[P.CONFIG][P.ROUND_STEPS]) for m in messages), default=0)
+        groups = self._sent - self._left_out
+        if self.overlap:
+            steps, groups = self._overlapped(messages, steps, groups, last_round)
+        self._update_steps = max(steps, self._carried)
         if self.fed.pipelined_commit and messages:
             # a group left out last round (dead, refused, outlier) is likely left out again:
             # waiting for it would void the pipelined fold; if it is accepted, the commit
             # folds again from the spools, as without pipelining
-            groups = sorted(self._sent - self._left_out)
-            steps = max(int(m.content[P.CONFIG][P.ROUND_STEPS]) for m in messages)
-            self.pool.expect(server_round, groups, self.rules.weight_cap(steps))
+            self.pool.expect(server_round, sorted(groups), self.rules.weight_cap(steps))
+
+    def _overlapped(
+        self, messages: list, steps: int, groups: set[int], last_round: set[int]
+    ) -> tuple[int, set[int]]:
+        """Overlapped (:mod:`flower_shard.flower.group.overlap`): the most steps an update
+        streamed this round covers, and the groups that stream one. A drain streams every
+        group's pending update with this round's steps; another round the updates of the
+        last round's steps, from the groups that trained it (the others hold theirs back)."""
+        carried = self._carried
+        if any(m.content[P.CONFIG].get(P.OUTER_DRAIN) for m in messages):
+            self._carried = 0
+            return carried + steps, groups
+        self._carried = steps
+        return carried, (groups & last_round) if carried else set()
+
+    def update_steps(self, steps: int) -> int:
+        return self._update_steps
 
     def node_config(
         self, server_round: int, run_id: int, rank: int, size: int, group: int = 0
@@ -165,6 +193,8 @@ class StreamingTransport(Transport):
         self._status = self.pool.status()
         out, index, updates = {}, [], []
         for i, reply in enumerate(ok):
+            if reply.held_back:  # overlapped: nothing streamed, nothing to fold or judge
+                continue
             reason = self._upload_problem(reply)
             if reason:
                 out[i] = reason
@@ -193,7 +223,7 @@ class StreamingTransport(Transport):
 
     def aggregate(self, server_round: int, ok: list[R.TrainReply], commit: bool) -> Aggregate:
         start = time.perf_counter()
-        accepted = {r.group: float(r.num_tokens) for r in ok} if commit else {}
+        accepted = {r.group: float(r.num_tokens) for r in ok if not r.held_back} if commit else {}
         self.pool.commit(server_round, accepted)
         self._left_out = self._sent - {r.group for r in ok}
         sent = [sum(s["bytes"] for s in self._status.get(r.group, [])) for r in ok]
