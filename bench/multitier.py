@@ -245,12 +245,13 @@ def run_flower(
     Messages; streaming: every rank streams its shard to an aggregator beside the ServerApp in
     site 0, over the same slow link, and with ``pipelined`` downloads the new values while it
     uploads); metrics as for torchrun."""
-    sync = "" if pipelined else "_sync"
+    sync = ("" if pipelined else "_sync") + ("_ovl" if cfg.outer_overlap else "")
     out = work / f"{transport}{sync}_t{cfg.local_steps}_{cfg.compression}"
     streaming = {}
     if transport == P.STREAMING:
         streaming = {"dataplane-host": dep.host, "dataplane-insecure": True}
         streaming["pipelined-commit"] = pipelined
+        streaming[P.OUTER_OVERLAP] = cfg.outer_overlap
     before = dep.net.site_bytes()
     start = time.perf_counter()
     with LinkMeter(dep.net) as meter:
@@ -370,7 +371,8 @@ def make_configs(
     every FL+FSDP configuration run through a real Flower deployment with that transport,
     named ``fl-fsdp-<transport> T=4``. Each F of ``overlaps`` adds every collective FL+FSDP
     configuration with the overlapped outer sync in F fragments (F <= T), named
-    ``fl-fsdp+ovl T=4`` (F = 1) or ``fl-fsdp+ovl+F4 T=4``.
+    ``fl-fsdp+ovl T=4`` (F = 1) or ``fl-fsdp+ovl+F4 T=4``; F = 1 also every pipelined
+    streaming one, overlapped (``fl-fsdp-streaming+ovl T=4``).
     """
     kinds = ([("fsdp", 1, 1)] if fsdp else []) + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -421,6 +423,11 @@ def make_configs(
         for f in overlaps
         for name, cfg in list(out)
         if name.startswith("fl-fsdp T=") and f <= cfg.local_steps
+    ]
+    out += [  # the streaming transport overlaps whole rounds (no fragments)
+        (name.replace(" T=", "+ovl T="), dataclasses.replace(cfg, outer_overlap=True))
+        for name, cfg in list(out)
+        if 1 in overlaps and name.startswith(f"fl-fsdp-{P.STREAMING} T=")
     ]
     for c in compressions:
         out += [

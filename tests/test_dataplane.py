@@ -241,7 +241,8 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
     (one group, fedavg: w - (w - x) = x, exact for x = w / 2), and the second pull loads them.
     Following the round (pipelined commit): the new weights came while it pushed, into the
     view; the second pull is answered ``current`` and loads them from there (HSDP: replica 0
-    followed and shares them with the other replicas)."""
+    followed and shares them with the other replicas). HSDP then runs an overlapped round's
+    primitives: snapshot, push from it, confirm, rebase on every replica."""
     import json
     import threading
     import time
@@ -280,7 +281,18 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
             seen.append(p.status())
             p.commit(1, {0: 100.0})
             p.begin(2)
+            if not follow:
+                (tmp_path / "next").touch()
+                return
+            p.expect(2, [0])  # then an overlapped round (HSDP): group 1 is not waited for
             (tmp_path / "next").touch()
+            while not (tmp_path / "pushed2").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            zeros = {q.name: np.zeros(q.shape, np.float32) for q in layout.params}
+            upload_group(p, layout, 2, 1, zeros, 1, 100.0)
+            p.commit(2, {0: 100.0, 1: 100.0})  # not the fold group 0 followed
+            p.begin(3)
+            (tmp_path / "next2").touch()
 
         server = threading.Thread(target=server_side, daemon=True)
         server.start()
@@ -295,3 +307,18 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
     for name in [q.name for q in layout.params]:
         assert np.array_equal(first["pulled"][name].numpy(), w0[name]), name
         assert torch.equal(second["pulled"][name], first["moved"][name]), name
+    if not follow:
+        return
+    # The overlapped round: it pushed view - s from its snapshot s while its shards had moved
+    # on; round 2 committed with a second group (zeros), not what it followed, so the confirm
+    # brought the committed model as a full snapshot, and both replicas rebased onto it:
+    # theta + (X - s), X = V - (0.5 (V - s) + 0.5 x 0) in the aggregators' float32 steps.
+    for rank in (0, nproc - 1):
+        third = torch.load(tmp_path / f"third_{rank}.pt")
+        assert third["mode"] == ("full" if rank == 0 else "none")  # replica 1 got it from 0
+        for name in [q.name for q in layout.params]:
+            v, s = second["pulled"][name].numpy(), third["sent"][name].numpy()
+            acc = np.float32(0.5) * (v - s) + np.float32(0.5) * np.zeros_like(v)
+            want = third["trained"][name].numpy() + ((v - acc) - s)
+            assert np.array_equal(third["rebased"][name].numpy(), want), (rank, name)
+            assert not np.array_equal(want, third["trained"][name].numpy()), name

@@ -113,10 +113,19 @@ def group_checkpoint(dep: LocalDeployment, node: int, run_name: Path, rnd: int) 
     raise AssertionError(f"node {node} has no checkpoints of {run_name}")
 
 
-@pytest.mark.parametrize("transport", ["flower", "collective", "streaming"])
-def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, transport):
+# Streaming runs overlapped (flower/group/overlap.py): round 1 holds the updates back, rounds 2
+# (its checkpoint) and 3 drain, and the resumed run starts with nothing in flight.
+OVERLAPPED = {P.OUTER_OVERLAP: True, "checkpoint-every": 2}
+
+
+@pytest.mark.parametrize(
+    "transport,extra",
+    [("flower", {}), ("collective", {}), ("streaming", OVERLAPPED)],
+    ids=["flower", "collective", "streaming-overlapped"],
+)
+def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, transport, extra):
     straight, killed, resumed = tmp_path / "straight", tmp_path / "killed", tmp_path / "resumed"
-    assert deployment.run(config(straight, transport))["status"] == "ok"
+    assert deployment.run(config(straight, transport, **extra))["status"] == "ok"
 
     for g in (0, 1):
         (deployment.dump / f"g{g}_r3_trained.safetensors").unlink(missing_ok=True)
@@ -124,13 +133,15 @@ def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, tra
         # Killed once both groups have trained round 3: collective, as they enter its sync (the
         # dead run's store goes with the ServerApp; a group still waiting in that sync gives it
         # up when the resumed run's command arrives, flower/group/abandon.py, and rolls back).
-        deployment.run(config(killed, transport), on_round=kill_serverapp_after(2, deployment.dump))
+        deployment.run(
+            config(killed, transport, **extra), on_round=kill_serverapp_after(2, deployment.dump)
+        )
     time.sleep(1)
     assert not serverapp_pids()
     saved = C.rounds(killed / "checkpoints" / "server")
     assert saved and max(saved) >= 2
 
-    summary = deployment.run(config(resumed, transport, resume=str(killed)))
+    summary = deployment.run(config(resumed, transport, resume=str(killed), **extra))
     assert summary["status"] == "ok" and summary["rounds"] == ROUNDS
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["round"] for r in b] == [1, 2, 3]

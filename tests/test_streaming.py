@@ -231,44 +231,68 @@ def rebased(trained, new_global, sent):
     return {k: trained[k] + (new_global[k] - sent[k]) for k in trained}
 
 
-def test_overlapped_rounds_follow_the_delayed_rule_exactly(deployment, tmp_path):
-    """outer-overlap, 4 rounds (the 4th drains). Round 1 holds its update back; in round r
-    each group pushes what it sent at the end of round r - 1 while it trains round r, and
-    before it trains moves by ``X - s`` (the global model that came back for what it sent).
-    Every rebased model and the final model are the rule's, bit for bit, from the groups'
-    trained weights; the downloads of rounds 3 and 4 came while the groups uploaded."""
-    rounds = run(deployment, tmp_path, rounds=4, **{P.OUTER_OVERLAP: True})
-    assert [r["groups_ok"] for r in rounds] == [2, 2, 2, 2], rounds
+def test_overlapped_rounds_follow_the_delayed_rule_exactly_also_when_a_group_dies(
+    deployment, tmp_path
+):
+    """outer-overlap, 5 rounds (the 5th drains). Round 1 holds the updates back; in round r a
+    group pushes what it sent at the end of round r - 1 while it trains round r, and before it
+    trains moves by ``X - s`` (the global model that came back for what it sent). Node 1's
+    group dies mid-push in round 3: round 3 folds the other group alone; the restarted group
+    pulls that model, holds its update back in round 4 (not waited for), and drains it with
+    round 5's. Every rebased model and the final model are the rule's, bit for bit, from the
+    groups' trained weights; where no group was lost the download came while the groups
+    uploaded (the confirming downloads carry no values)."""
+    deployment.fault.write_text("3:die-upload")
+    try:
+        rounds = run(
+            deployment, tmp_path, rounds=5, **{P.OUTER_OVERLAP: True, "round-timeout": 120.0}
+        )
+    finally:
+        deployment.fault.unlink()
+    assert [r["groups_ok"] for r in rounds] == [2, 2, 1, 2, 2], rounds
     per = {g["group"]: g["tokens"] for g in rounds[0]["groups"]}  # one round's steps
-    groups = sorted(per)
-    tokens = [per[g] for g in groups]
+    (live,) = [g["group"] for g in rounds[2]["groups"]]
+    (died,) = set(per) - {live}
     # The records count the tokens folded: none in round 1, both rounds' in the drain.
-    assert [r["tokens"] for r in rounds] == [0, sum(tokens), 2 * sum(tokens), 4 * sum(tokens)]
+    folded = [0, per[0] + per[1], per[live], per[live], 2 * (per[0] + per[1])]
+    assert [r["tokens"] for r in rounds] == list(np.cumsum(folded)), rounds
 
-    def dump(rnd, stage):
-        return [dumped(deployment, g, rnd, stage) for g in groups]
+    def dump(g, rnd, stage):
+        return dumped(deployment, g, rnd, stage)
 
-    x = dump(1, "loaded")[0]  # the first global model; round 1 commits nothing
-    sent = dump(1, "trained")  # round 2 sends round 1's weights as they are
-    assert all(np.array_equal(a[k], b[k]) for a, b in zip(dump(2, "rebased"), sent) for k in a)
-    for rnd in (3, 4):
-        x = fold(x, sent, tokens)  # the global model of round rnd - 1
-        sent = [rebased(t, x, s) for t, s in zip(dump(rnd - 1, "trained"), sent)]
-        for got, want in zip(dump(rnd, "rebased"), sent):
-            assert all(np.array_equal(got[k], want[k]) for k in want), rnd
-    x = fold(x, dump(4, "trained"), [2 * w for w in tokens])  # the drain: theta itself
+    def same(a, b):
+        return all(np.array_equal(a[k], b[k]) for k in b)
+
+    x = dump(live, 1, "loaded")  # the first global model; round 1 commits nothing
+    sent = {g: dump(g, 1, "trained") for g in per}  # round 2 sends round 1's weights as trained
+    assert all(same(dump(g, 2, "rebased"), sent[g]) for g in per)
+    x = fold(x, [sent[g] for g in sorted(per)], [per[g] for g in sorted(per)])  # round 2's
+    sent = {g: rebased(dump(g, 2, "trained"), x, sent[g]) for g in per}
+    assert all(same(dump(g, 3, "rebased"), sent[g]) for g in per)
+    x = fold(x, [sent[live]], [per[live]])  # round 3: the live group alone
+    assert same(dump(died, 4, "loaded"), x)  # the restarted group starts from it
+    sent = {live: rebased(dump(live, 3, "trained"), x, sent[live])}
+    assert same(dump(live, 4, "rebased"), sent[live])
+    x = fold(x, [sent[live]], [per[live]])  # round 4: the restarted group held back
+    sent[live] = rebased(dump(live, 4, "trained"), x, sent[live])
+    assert same(dump(live, 5, "rebased"), sent[live])
+    assert same(dump(died, 5, "rebased"), dump(died, 4, "trained"))  # nothing sent yet
+    x = fold(x, [dump(g, 5, "trained") for g in sorted(per)], [2 * per[g] for g in sorted(per)])
     final = load_file(tmp_path / "final_model.safetensors")
-    for model in [final, *dump(4, "evaluated")]:
-        assert all(np.array_equal(model[k], x[k]) for k in x)
-    # Rounds 2-4 kept the fold the ranks followed while they pushed; in rounds 3 and 4 every
-    # rank's confirming download found its view current (no values: the download was hidden).
-    kept = {r: "the pipelined fold kept" for r in (2, 3, 4)}
-    assert [{r: c[r] for r in (2, 3, 4)} for c in commits(tmp_path)] == [kept, kept]
+    assert all(same(model, x) for model in [final, *(dump(g, 5, "evaluated") for g in per)])
+    # Rounds 2, 4 and 5 kept the fold the ranks followed while they pushed (round 4 did not
+    # wait for the group that held its update back), so the live group's confirming downloads
+    # of rounds 3 and 5 carry no values: its new model came while it uploaded. (Round 3 keeps
+    # its fold too when every aggregator dropped the dead group's streams alike.)
+    kept = {r: "the pipelined fold kept" for r in (2, 4, 5)}
+    assert [{r: c[r] for r in kept} for c in commits(tmp_path)] == [kept, kept]
     lines = [
         line
         for path in (tmp_path / "aggregators").glob("*/streams.jsonl")
         for line in map(json.loads, path.read_text().splitlines())
     ]
-    ranks = [s for s in lines if s["kind"] == "download" and s["group"] >= 0]  # not the server
-    confirms = [s for s in ranks if s["round"] in (3, 4)]  # and the evaluation's after the drain
-    assert len(confirms) == 3 * 2 * 3 and all(s["frames"] == 0 for s in confirms), confirms
+    hidden = [
+        s for s in lines if s["kind"] == "download" and s["group"] == live and s["round"] in (3, 5)
+    ]
+    # node 0's one rank x 2 aggregators x (the confirms of rounds 3 and 5, round 5's evaluation)
+    assert len(hidden) == 6 and all(s["frames"] == 0 for s in hidden), hidden

@@ -17,6 +17,11 @@ changed under it; the shards are not touched from the thread). The next pull wai
 thread, then asks whether the round was committed as followed: if so the shards take the view
 (``current``), else a full snapshot comes.
 
+Overlapped rounds (:mod:`flower_shard.flower.group.overlap`): :meth:`RankExchange.snapshot`
+keeps a copy of the shards (``sent``, M / K float32) that :meth:`RankExchange.push` streams
+from while the shards train on; :meth:`RankExchange.confirm` brings the view (not the shards)
+to the committed model and :meth:`RankExchange.rebase` adds ``view - sent`` to the shards.
+
 HSDP: the R replicas of a shard hold it bit-identically, so only replica 0 pulls and pushes;
 it broadcasts what it pulled to the other replicas over the replicate process group (the fast
 tier), and the group sends its shard across the slow link once.

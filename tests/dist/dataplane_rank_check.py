@@ -42,7 +42,16 @@ def link(rnd):
     return RankLink(t, dist.get_rank())
 
 
-# The test opens round `first` before starting us, and `first + 1` once we said "pushed".
+def wait_for(name):
+    import os
+    import time
+
+    while not os.path.exists(f"{out}/{name}"):
+        time.sleep(0.1)
+
+
+# The test opens round `first` before starting us, and `first + 1` once we said "pushed"
+# (HSDP: `first + 2` once we said "pushed2").
 mode = ex.pull(link(first))
 pulled = full_state(model)
 with torch.no_grad():
@@ -56,17 +65,33 @@ dist.barrier()
 if dist.get_rank() == 0:
     torch.save({"mode": mode, "pulled": pulled, "moved": moved}, f"{out}/first.pt")
     open(f"{out}/pushed", "w").close()
-while True:  # wait for the next round to open
-    import os
-    import time
-
-    if os.path.exists(f"{out}/next"):
-        break
-    time.sleep(0.1)
+wait_for("next")  # the next round is open
 mode = ex.pull(link(first + 1))
 if dist.get_rank() == 0:
     torch.save({"mode": mode, "pulled": full_state(model)}, f"{out}/second.pt")
 else:
     full_state(model)  # every rank joins the gather
+if follow == "follow":  # the overlapped round's steps (flower_shard/flower/group/overlap.py)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    ex.snapshot()  # s: what goes out
+    sent = full_state(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # trains on before the push: the push must read s, not the shards
+    trained = full_state(model)
+    ex.follow(link(first + 1))
+    ex.push(link(first + 1), weight=100.0, snapshot=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(f"{out}/pushed2", "w").close()
+    wait_for("next2")
+    mode = ex.confirm(link(first + 2))  # the view to the committed model, not the shards
+    ex.rebase()  # every replica: theta += X - s
+    rebased = full_state(model)
+    if dist.get_rank() in (0, world - 1):  # replica 0 (it pulled) and the last replica
+        state = {"mode": mode, "sent": sent, "trained": trained, "rebased": rebased}
+        torch.save(state, f"{out}/third_{dist.get_rank()}.pt")
 shutdown(clean=True)
 exit_now()  # see exit_now: no finalization race with gloo's threads

@@ -97,18 +97,20 @@ class OverlappedRounds:
         if exchange.sent:
             exchange.rebase()
         on_rebased()
-        if not drains(config):
-            exchange.snapshot()
-            self.stream.start_push(config, self.pending.tokens, hook)
+        if drains(config):  # the push goes after the steps, from the shards themselves
+            exchange.sent = {}
+            return
+        exchange.snapshot()
+        self.stream.start_push(config, self.pending.tokens, hook)
 
     def after_steps(self, config: dict, steps: StepStats, control, hook) -> dict:
         """TRAIN, after the inner steps: the reply's metrics of the update streamed."""
-        pending, exchange = self.pending, self.stream.exchange
+        pending = self.pending
         if drains(config):
             before = pending or Pending(0, 0)
             tokens = before.tokens + steps.tokens
             pushed_s, sent = self.stream.push(config, tokens, control, hook)
-            self.pending, exchange.sent = None, {}
+            self.pending = None
             return {
                 P.STEPS: before.steps + steps.steps,
                 P.NUM_TOKENS: tokens,

@@ -387,14 +387,11 @@ class ShardedFedAvg(Strategy):
         ok = [r for i, r in enumerate(ok) if i not in outliers]
         by_node = {node: answered[mid] for mid, node in rules.asked.items() if mid in answered}
         self.transport.observe(server_round, rules.groups, by_node)
-        committed = len(ok) >= self.fed.min_groups
+        folded = sum(not r.held_back for r in ok)  # overlapped: updates held back fold later
+        committed = folded >= self.fed.min_groups or bool(ok and not folded)
         if not committed:
-            log(
-                WARNING,
-                "round %s: %d valid replies, fewer than min-groups %d: the global model is kept",
-                server_round,
-                len(ok),
-                self.fed.min_groups,
-            )
+            n, least = folded, self.fed.min_groups
+            why = f"{n} valid updates, fewer than min-groups {least}: the global model is kept"
+            log(WARNING, "round %s: %s", server_round, why)
         aggregate = self.transport.aggregate(server_round, ok, committed)
         return TrainOutcome(ok, rejected, aggregate, committed)

@@ -21,6 +21,11 @@ optimizer state (:mod:`flower_shard.dataplane`). Every round:
 5. :meth:`aggregate` has the aggregators fold the accepted groups, in group order, and take the
    outer step (a round with fewer than min-groups valid groups commits none: the model stays).
 
+With ``outer-overlap`` the groups push the update of the round before while they train
+(:mod:`flower_shard.flower.group.overlap`): :meth:`sending` names only the groups that have
+one, a ``held_back`` reply is neither folded nor judged, and the replies' steps and tokens
+are those of the update streamed (:meth:`update_steps`).
+
 The groups hold (and evaluate) the global model they pulled; the ServerApp never holds it but
 at the end, when it fetches the final model from the aggregators. Server checkpoints include
 every local aggregator's state.
