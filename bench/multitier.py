@@ -616,7 +616,7 @@ def main() -> None:
         return
     if args.smoke:
         args.model, args.rates_mbit, args.local_steps = "tiny", "100", "4"
-        args.steps, args.repeats, args.seq_len = 8, 1, 32
+        args.steps, args.repeats, args.seq_len = 4, 1, 32
     if not available():
         raise SystemExit("multitier: needs root and `ip netns` (network namespaces) on Linux")
     args.hsdp = args.hsdp or args.hsdp_only

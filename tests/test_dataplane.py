@@ -292,6 +292,7 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
             upload_group(p, layout, 2, 1, zeros, 1, 100.0)
             p.commit(2, {0: 100.0, 1: 100.0})  # not the fold group 0 followed
             p.begin(3)
+            p.expect(3, [0])  # a follower of round 3 waits for group 0, which never uploads
             (tmp_path / "next2").touch()
 
         server = threading.Thread(target=server_side, daemon=True)
@@ -322,3 +323,6 @@ def test_a_torchrun_group_pulls_into_its_shards_and_pushes_its_pseudo_gradient(
             want = third["trained"][name].numpy() + ((v - acc) - s)
             assert np.array_equal(third["rebased"][name].numpy(), want), (rank, name)
             assert not np.array_equal(want, third["trained"][name].numpy()), name
+        # forget() cut off the follower at once (its aggregators would have waited 600 s)
+        # and the view is known to hold nothing: the next round pulls a full snapshot
+        assert third["cut_s"] < 60 and third["have_round"] == -1, third["cut_s"]

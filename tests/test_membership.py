@@ -89,7 +89,7 @@ def test_groups_that_die_come_back_and_join_keep_their_data_and_the_mean_is_exac
     restart and the join on a slow machine."""
     dump = tmp_path / "dump"
     dump.mkdir()
-    rounds_total = 14
+    rounds_total = 10
     with LocalDeployment(
         tmp_path / "dep", num_nodes=2, nproc_per_group=1, dump_dir=str(dump)
     ) as dep:

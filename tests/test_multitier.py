@@ -26,9 +26,7 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     before = namespaces()
     out = tmp_path / "multitier.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--streaming", "--compression", "int8"]
-        + ["--no-flower-compression"]
-        + ["--out", str(out)],
+        [sys.executable, str(BENCH), "--smoke", "--streaming", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -63,15 +61,9 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert 0 <= streaming["exchange_busy_share"]["median"] <= 1
     for direction in ("exchange_use_up", "exchange_use_down"):
         assert 0 < streaming[direction]["median"] <= 1.05, direction
-    # int8 with error feedback: what crosses the site link shrinks as the cost model says (the
-    # all-gather of 1-byte values and their scales), and the model trains the same. (Through
-    # Flower: tests/test_flower.py.)
-    int8 = entries["fl-fsdp+int8 T=4"]
-    ratio = int8["inter_bytes"]["median"] / int8["predicted_inter_bytes"]
-    assert 1.0 <= ratio <= 1.6, ratio
-    assert int8["inter_bytes"]["median"] < fl["inter_bytes"]["median"] / 2.5
-    ppl = int8["ppl_equal_tokens"]["median"] / fl["ppl_equal_tokens"]["median"]
-    assert abs(ppl - 1) < 0.01, ppl
+    # (The int8 leg, `--compression int8`, is left out for CI time: its bytes against the cost
+    # model are in tests/test_costmodel.py, its exchange in tests/test_compression.py and
+    # tests/test_streaming.py, its figures in bench/RESULTS.md.)
     # (The overlapped sync's leg, `--overlap`, is left out for CI time: its rule, resume and
     # HSDP stripes are tested in tests/test_streaming_sync.py, its pricing in
     # tests/test_costmodel.py, its figures are in bench/RESULTS.md.)

@@ -96,6 +96,7 @@ class RankExchange:
         """Whether ``have_round`` was followed and not yet confirmed as committed."""
         self.replicate_pg = replicate_pg
         self._follower: threading.Thread | None = None
+        self._follow_link: RankLink | None = None
         self._followed: tuple[int, bool] | None = None
         """What the view holds once the follower is done: (round, provisional), or None."""
         self.sent: dict[int, np.ndarray] = {}
@@ -143,7 +144,7 @@ class RankExchange:
                     provisional=provisional,
                 )
                 self._followed = (rnd, True)
-            except DataPlaneError as exc:
+            except (DataPlaneError, ValueError) as exc:  # ValueError: its link was closed
                 log.info("following the round: %s", exc)
                 # the view is as before when nothing came (refused, or void before a value)
                 self._followed = None if wrote[0] else (have, provisional)
@@ -153,6 +154,7 @@ class RankExchange:
         self._followed = None
         self.have_round = -1  # the view changes under the thread: until it is done, unknown
         self._follower = threading.Thread(target=run, name="follow", daemon=True)
+        self._follow_link = link
         self._follower.start()
 
     def _join_follower(self) -> None:
@@ -254,7 +256,10 @@ class RankExchange:
         self.sent = {i: p.detach().float().cpu().numpy().copy() for i, p, _, _ in self.pieces}
 
     def forget(self) -> None:
-        """Drop the snapshot and what the view is known to hold (after a failure, a drain)."""
+        """Drop the snapshot and what the view is known to hold (after a failure). A follower
+        still waiting is cut off: its round may not commit before this group replies."""
         self.sent = {}
+        if self._follower is not None:
+            self._follow_link.close()  # cancels its streams: the thread ends at once
         self._join_follower()
         self.have_round, self.provisional = -1, False

@@ -90,8 +90,17 @@ if follow == "follow":  # the overlapped round's steps (flower_shard/flower/grou
     mode = ex.confirm(link(first + 2))  # the view to the committed model, not the shards
     ex.rebase()  # every replica: theta += X - s
     rebased = full_state(model)
+    # A failure (flower_shard/flower/group/overlap.py resets): a follower still waiting for a
+    # round nobody uploads to is cut off, not waited for (the aggregators would wait 600 s).
+    import time
+
+    ex.follow(link(first + 2))
+    began = time.monotonic()
+    ex.forget()
+    cut_s = time.monotonic() - began
     if dist.get_rank() in (0, world - 1):  # replica 0 (it pulled) and the last replica
         state = {"mode": mode, "sent": sent, "trained": trained, "rebased": rebased}
+        state |= {"cut_s": cut_s, "have_round": ex.have_round}
         torch.save(state, f"{out}/third_{dist.get_rank()}.pt")
 shutdown(clean=True)
 exit_now()  # see exit_now: no finalization race with gloo's threads
