@@ -46,8 +46,9 @@ Memory: the snapshot ``s`` (M / K float32 per rank) besides the view; the view i
 streaming transport's own.
 
 On failure: a confirm or a push that fails on any rank makes the group answer with an error
-(the ranks vote); it drops its pending update and pulls the global model at its next round,
-like a group that rejoins.
+(the ranks vote); it drops its pending update, cuts off a follow still waiting for the round
+(its reply must not wait for the commit), and pulls the global model at its next round, like
+a group that rejoins.
 """
 
 from __future__ import annotations
