@@ -230,12 +230,12 @@ class RankExchange:
         mode = "none"
         if self.leader:
             self._join_follower()
-
-            def sink(how: str, param: int, start: int, values: np.ndarray) -> None:
-                self._into_view(how, param, start, values)
-
             mode, rnd, _ = link.download(
-                self.ranges(), self.layout, self.have_round, sink=sink, provisional=self.provisional
+                self.ranges(),
+                self.layout,
+                self.have_round,
+                sink=self._into_view,
+                provisional=self.provisional,
             )
             self.have_round, self.provisional = rnd, False
         if self.replicate_pg is not None:

@@ -69,16 +69,21 @@ class StreamExchange:
 
     def pull(self, config: dict, control) -> float:
         """Every rank: load the round's global model; the seconds it took."""
+        return self._download(config, control, lambda link: self.exchange.pull(link))
+
+    def _download(self, config: dict, control, action) -> float:
+        """Every rank: ``action`` with the round's link (None on a replica that does not talk
+        to the aggregators), voted over the group; the seconds it took."""
         start = time.perf_counter()
 
-        def pull() -> None:
+        def download() -> None:
             link = self._link(config)
             try:
-                self.exchange.pull(link if self.exchange.leader else None)
+                action(link if self.exchange.leader else None)
             finally:
                 link.close()
 
-        _vote(_attempt(pull), control, "pull")
+        _vote(_attempt(download), control, "pull")
         return time.perf_counter() - start
 
     def push(self, config: dict, weight: int, control, on_frame=None) -> tuple[float, int]:
@@ -105,17 +110,7 @@ class StreamExchange:
     def confirm(self, config: dict, control) -> float:
         """Every rank: the view to the last committed global model (the shards keep training
         their own); the seconds it took."""
-        start = time.perf_counter()
-
-        def confirm() -> None:
-            link = self._link(config)
-            try:
-                self.exchange.confirm(link if self.exchange.leader else None)
-            finally:
-                link.close()
-
-        _vote(_attempt(confirm), control, "pull")
-        return time.perf_counter() - start
+        return self._download(config, control, lambda link: self.exchange.confirm(link))
 
     def start_push(self, config: dict, weight: int, on_frame=None) -> None:
         """Every rank: stream ``view - sent`` (the snapshot) in the background, following the
