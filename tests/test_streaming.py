@@ -269,9 +269,6 @@ def test_overlapped_rounds_follow_the_delayed_rule_exactly_also_when_a_group_die
     x = fold(x, [dump(g, 5, "trained") for g in sorted(per)], [2 * per[g] for g in sorted(per)])
     final = load_file(tmp_path / "final_model.safetensors")
     assert all(same(model, x) for model in [final, *(dump(g, 5, "evaluated") for g in per)])
-    # The dead group's broken streams were dropped at once (nothing resends them).
-    logs = " ".join(p.read_text() for p in (tmp_path / "aggregators").glob("agg*.log"))
-    assert "the stream broke off" in logs
     # Rounds 2, 4 and 5 kept the fold the ranks followed while they pushed (round 4 did not
     # wait for the group that held its update back), so the live group's confirming downloads
     # of rounds 3 and 5 carry no values: its new model came while it uploaded. (Round 3 keeps
