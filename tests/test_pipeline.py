@@ -150,6 +150,17 @@ def bad_upload(p, rnd, group, frame, owner=0):
         link.close()
 
 
+def cut_short_upload(p, layout, rnd, group, deltas):
+    """Rank 0 of ``group`` sends each aggregator the first chunk of one of its parameters and
+    ends its streams as a rank that died may seem to, normally but without the end mark: both
+    drop the group."""
+    for owner in (0, 1):
+        param = next(q for q in layout.params if q.owner == owner)
+        chunk = wire.encode_chunk(param.index, 0, deltas[param.name].reshape(-1)[:2], "none", 64)
+        reply = bad_upload(p, rnd, group, chunk, owner)
+        assert not reply["ok"] and "without its end mark" in reply["reason"], reply
+
+
 def refused_upload(p, layout, rnd, group, deltas):
     """Rank 0 of ``group`` streams a NaN to one aggregator and, slowly, a good piece to the
     other: the first refuses the group, and the rank cancels its stream to the second."""
@@ -174,10 +185,11 @@ def refused_upload(p, layout, rnd, group, deltas):
         link.close()
 
 
-@pytest.mark.parametrize("how", ["refused", "weight over the bound"])
+@pytest.mark.parametrize("how", ["refused", "cut short", "weight over the bound"])
 def test_a_group_the_commit_will_refuse_is_not_waited_for_and_the_fold_is_kept(pool, how):
     """Group 2 sends NaN to one aggregator (the rank then withdraws its stream to the other)
-    before the others are done, or declares a weight above the ServerApp's bound (it cannot
+    before the others are done, or ends its streams without the end mark (a rank that died),
+    or declares a weight above the ServerApp's bound (it cannot
     be accepted) after them: both aggregators stop waiting for it, the followers get the mean
     of groups 0 and 1 before the commit, bit for bit what the commit of those two makes, and
     every aggregator keeps the fold."""
@@ -191,6 +203,8 @@ def test_a_group_the_commit_will_refuse_is_not_waited_for_and_the_fold_is_kept(p
     for g in (0, 1):
         if how == "refused" and g == 1:  # between the two honest groups' uploads
             refused_upload(p, layout, 1, 2, deltas[2])
+        if how == "cut short" and g == 1:
+            cut_short_upload(p, layout, 1, 2, deltas[2])
         for x in (p, q):
             upload_group(x, layout, 1, g, deltas[g], KS[g], WEIGHTS[g])
     if how == "weight over the bound":  # after the others: only then are they all folded

@@ -91,26 +91,33 @@ class DataPlaneService:
             reason = (
                 reason or f"compression {head.get('compression')!r}, expected {self.state.uplink!r}"
             )
-        count = 0
         if reason is None:
-            try:
-                for frame in frames:
-                    if frame == wire.WITHDRAW:
-                        reason = "the rank withdrew its upload (another aggregator refused it)"
-                        break
-                    record["bytes"] += len(frame)
-                    reason = spool.add(frame)
-                    if reason:
-                        break
-                    count += 1
-            except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
-                reason = f"the stream broke off after {count} chunks"
-        record["frames"] = count
+            reason = self._receive(frames, spool, record)
         if reason:
             self.state.reject(spool, f"rank {rank}: {reason}")
             log.warning("round %s: rejected group %s: rank %s: %s", rnd, group, rank, reason)
             return {"ok": False, "reason": reason}
-        return {"ok": True, "frames": count, "complete": spool.complete}
+        return {"ok": True, "frames": record["frames"], "complete": spool.complete}
+
+    @staticmethod
+    def _receive(frames, spool, record: dict) -> str | None:
+        """Add the stream's chunks to ``spool`` up to its end mark: why the upload is
+        dropped, or None."""
+        count = record["frames"] = 0
+        try:
+            for frame in frames:
+                if frame == wire.END:
+                    return None
+                if frame == wire.WITHDRAW:
+                    return "the rank withdrew its upload (another aggregator refused it)"
+                record["bytes"] += len(frame)
+                reason = spool.add(frame)
+                if reason:
+                    return reason
+                count = record["frames"] = count + 1
+        except _rpc_error():  # cancelled, or the rank is gone: its upload stays incomplete
+            return f"the stream broke off after {count} chunks"
+        return f"the stream broke off after {count} chunks (it ended without its end mark)"
 
     def _admit(self, run: str, rnd: int, group: int, rank: int, token: str) -> str | None:
         if self.state is None:

@@ -117,6 +117,7 @@ class RankLink:
                             yield wire.WITHDRAW
                             return
                         yield frame
+                yield wire.END
 
             call = self.channels[owner].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
             address = self.ticket.addresses[owner]

@@ -28,6 +28,10 @@ HEADER = struct.Struct("<IQI")  # parameter index, first element, number of elem
 WITHDRAW = b"withdraw"
 """An upload's last frame when the rank gives it up (another aggregator refused it): the
 aggregator drops the group's upload, as every aggregator then does (shorter than a header)."""
+END = b"end"
+"""An upload's last frame when the rank sent all it meant to. A stream that ends without it is
+broken off: gRPC may end a dead peer's request stream as if it were complete, before it
+reports the cancel, so the aggregator cannot tell the two apart otherwise."""
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
