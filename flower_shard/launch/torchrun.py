@@ -28,7 +28,6 @@ from flower_shard.launch.agent import AGENT_MODULE, LOOPBACK, LOOPBACK_INTERFACE
 from flower_shard.launch.processes import start_marked, stop_tree
 from flower_shard.preflight import check, check_out, check_run_dir, prepare_for
 from flower_shard.runtime import checkpoint as C
-from flower_shard.runtime.group_checkpoint import REQUIRED, check_metadata, checkpoint_root
 from flower_shard.threads import with_threads
 
 log = logging.getLogger(__name__)
@@ -102,6 +101,9 @@ def check_resume(cfg: TrainConfig) -> str:
     run's, that group's and of compatible settings (changes that are allowed are logged);
     :class:`ConfigError` (one line) otherwise, before any rank starts. The checksums are
     verified by the ranks themselves when they load."""
+    # Imported here: it brings torch, which the launcher needs for nothing else.
+    from flower_shard.runtime.group_checkpoint import REQUIRED, check_metadata, checkpoint_root
+
     run, notes, ready = None, set(), []
     for g in range(cfg.groups):
         root = checkpoint_root(cfg.resume, g)
@@ -152,6 +154,8 @@ def prepare_run(cfg: TrainConfig) -> Path:
     if metrics.exists() and cfg.resume is None:  # a new run in the same directory: a new log
         metrics.unlink()
     settings = I.train_settings(cfg)
+    from flower_shard.runtime.group_checkpoint import checkpoint_root  # torch: after the checks
+
     for g in range(cfg.groups):  # what every checkpoint of the group will record
         root = checkpoint_root(out, g)
         root.mkdir(parents=True, exist_ok=True)
