@@ -252,6 +252,37 @@ def test_the_cli_and_the_planner_load_no_heavy_package(code):
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # a bad value of `flower-shard train` fails before torch is imported
+        "import sys; sys.argv = ['flower-shard', 'train', '--local-steps', '0']\n"
+        "from flower_shard.ux.cli import main\n"
+        "assert main() == 2",
+        # an aggregator configured for nesterov, checkpointed and loaded: numpy only
+        "import tempfile\nfrom pathlib import Path\n"
+        "from flower_shard.dataplane import aggregator, persist\n"
+        "from flower_shard.dataplane.layout import Layout\n"
+        "from flower_shard.dataplane.init import initial_weights\n"
+        "from flower_shard.dataplane.state import AggregatorState\n"
+        "d, layout = Path(tempfile.mkdtemp()), Layout.build({'w': (4, 3)}, 1)\n"
+        "init = initial_weights({'kind': 'random', 'seed': 1, 'std': 1.0}, layout.owned(0))\n"
+        "s = AggregatorState(layout, 0, init, d / 'spool', outer='nesterov')\n"
+        "persist.save(s, d / 'ckpt'); persist.load(s, d / 'ckpt')",
+    ],
+    ids=["train-bad-value", "aggregator"],
+)
+def test_the_launcher_and_the_aggregator_need_no_torch(code):
+    """A bad ``flower-shard train`` value fails in a fraction of a second, and an aggregator
+    process (central, one per share of the model) holds no torch: numpy does its math."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in ('torch', 'flwr') if m in sys.modules))"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
 def test_ranks_leave_the_torch_world_only_through_shutdown():
     """A rank that destroys its process group while a peer still reads from its gloo sockets can
     make that peer abort ("terminate called without an active exception"); ``shutdown`` holds

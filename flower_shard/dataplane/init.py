@@ -32,13 +32,13 @@ def initial_weights(spec: dict, params) -> dict[str, np.ndarray]:
     "model", model, vocab_size, seed, seq_len}``, or ``{"kind": "random", seed, std}`` (every
     parameter drawn as a meta-built preset's are: synthetic models of any shape, for the
     exchange benchmark and tests)."""
+    if spec.get("kind") == "random":  # numpy alone: no torch in this process
+        std = float(spec.get("std", 0.02))
+        return {p.name: _drawn(p.name, p.shape, int(spec["seed"]), std) for p in params}
     from flower_shard.config.presets import PRESETS
     from flower_shard.runtime.models import build_model, has_weights
 
     names = [p.name for p in params]
-    if spec.get("kind") == "random":
-        std = float(spec.get("std", 0.02))
-        return {p.name: _drawn(p.name, p.shape, int(spec["seed"]), std) for p in params}
     model, vocab = spec["model"], int(spec["vocab_size"])
     seed, seq_len = int(spec["seed"]), int(spec["seq_len"])
     if model in PRESETS and PRESETS[model].meta_init:

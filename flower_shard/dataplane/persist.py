@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 STATE = "state.json"
 ARRAYS = "arrays.safetensors"
 
@@ -21,7 +19,7 @@ def save(state, directory: Path) -> None:
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {k: np.ascontiguousarray(v.numpy()) for k, v in state.outer.buffers().items()}
+    arrays = dict(state.buffers())
     if state.view is not None:
         arrays["view"] = state.view
     save_file(arrays, str(directory / ARRAYS))
@@ -30,7 +28,6 @@ def save(state, directory: Path) -> None:
 
 
 def load(state, directory: Path) -> None:
-    import torch
     from safetensors.numpy import load_file
 
     meta = json.loads((directory / STATE).read_text())
@@ -40,9 +37,8 @@ def load(state, directory: Path) -> None:
             f"not of aggregator {state.index} ({state.numel})"
         )
     arrays = load_file(str(directory / ARRAYS))
-    with torch.no_grad():
-        for name, buf in state.outer.buffers().items():
-            buf.copy_(torch.from_numpy(arrays[name]))
+    for name, buf in state.buffers().items():
+        buf[:] = arrays[name]
     if state.view is not None:
         state.view[:] = arrays["view"]
     with state._lock:

@@ -85,10 +85,6 @@ class AggregatorState:
         outer_momentum: float = 0.9,
         follow_timeout: float = 600.0,
     ):
-        import torch
-
-        from flower_shard.runtime.outer_optimizer import OuterOptimizer
-
         self.layout, self.index = layout, index
         self.params: list[Param] = layout.owned(index)
         self.by_index = {p.index: p for p in self.params}
@@ -98,15 +94,18 @@ class AggregatorState:
             self.offsets[p.index] = at
             at += p.numel
         self.numel = at
-        flat = np.empty(self.numel, dtype=np.float32)
+        self.weights = np.empty(self.numel, dtype=np.float32)
+        """The global weights of the owned parameters, flat."""
         for p in self.params:
-            flat[self.offsets[p.index] : self.offsets[p.index] + p.numel] = np.asarray(
+            self.weights[self.offsets[p.index] : self.offsets[p.index] + p.numel] = np.asarray(
                 initial[p.name], dtype=np.float32
             ).reshape(-1)
-        self.outer = OuterOptimizer(
-            torch.from_numpy(flat), outer, outer_lr, outer_momentum, track_weights=True
-        )
-        del flat
+        # nesterov keeps a momentum buffer (zeros: the first step is torch's, whose lazily
+        # made buffer is a copy of the first gradient); fedavg is w - g (lr 1, no state).
+        nesterov = outer == C.NESTEROV
+        self.momentum = np.zeros(self.numel, np.float32) if nesterov else None
+        self.lr = np.float32(outer_lr if nesterov else 1.0)
+        self.mu = np.float32(outer_momentum if nesterov else 0.0)
         self.uplink, self.downlink, self.scale_chunk = uplink, downlink, scale_chunk
         self.follow_timeout = follow_timeout
         """Seconds a follower waits for a parameter (then it pulls after the commit)."""
@@ -121,18 +120,16 @@ class AggregatorState:
         # the fold's accumulator, for the whole run, touched now: a fresh array costs seconds
         # of first-touch page faults per GB (gVisor-like sandboxes), not to be paid in a round
         self._acc = np.full(self.numel, 0.0, dtype=np.float32)  # written, so every page mapped
-        buffers = self.outer.buffers()
-        self.momentum = buffers["momentum"].numpy() if "momentum" in buffers else None
-        group = self.outer._sgd.param_groups[0] if self.outer._sgd is not None else {}
-        self.lr = np.float32(group.get("lr", 1.0))
-        self.mu = np.float32(group.get("momentum", 0.0))
         self._lock = threading.Condition()
         self.pipe = Pipeline(self)
 
-    @property
-    def weights(self) -> np.ndarray:
-        """The global weights of the owned parameters, flat (a view, not a copy)."""
-        return self.outer.weights.detach().numpy()
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The outer state itself (global weights, nesterov's momentum), to save or to load
+        in place."""
+        out = {"weights": self.weights}
+        if self.momentum is not None:
+            out["momentum"] = self.momentum
+        return out
 
     # -- a round -------------------------------------------------------------------------
 
