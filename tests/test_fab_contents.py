@@ -74,3 +74,13 @@ def test_the_fab_is_small(tmp_path):
 def test_git_ignores_a_flwr_home_in_the_project():
     patterns = (ROOT / ".gitignore").read_text().split()
     assert "flwr-home/" in patterns or "/flwr-home/" in patterns
+
+
+def test_the_staged_app_that_runs_use_builds_the_same_fab(tmp_path):
+    """Deployments run `flwr run` on a copy of the app's files (the walk of a checkout with
+    its .venv costs seconds a run); the FAB must be the same, byte for byte."""
+    from flwr.cli.build import build_fab_from_disk
+
+    from flower_shard.launch.fab import staged_app
+
+    assert build_fab_from_disk(staged_app(tmp_path / "app")) == build_fab_from_disk(ROOT)

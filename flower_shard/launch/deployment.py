@@ -33,12 +33,12 @@ from flower_shard.flower.certificates import (
 )
 from flower_shard.flower.node.config import NodeConfig
 from flower_shard.flower.node.launcher import Node, bin_path, env_with_bin
+from flower_shard.launch.fab import staged_app
 from flower_shard.launch.processes import ManagedProcess, free_port, start_marked, stop_tree
 
 logger = logging.getLogger(__name__)
 
 CONNECTION = "local-deployment"
-APP_DIR = Path(__file__).resolve().parents[2]  # the Flower App: this project's pyproject
 FLWR_HOME = "flwr-home"  # under the work directory: Flower's config.toml with the connection
 FLWR_CONFIG = "config.toml"
 SUPERLINK_LOG = "superlink.log"
@@ -107,6 +107,8 @@ class LocalDeployment:
         self.superlink: ManagedProcess | None = None
         self.nodes: list[Node] = []
         self.flwr_home = self.work_dir / FLWR_HOME
+        self.app = self.work_dir / "app"
+        """The app's files alone, staged by :meth:`start` for ``flwr run`` (:mod:`.fab`)."""
         self.tls, self.supernode_auth = tls, supernode_auth
         self.tls_files: TlsFiles | None = None
         """The CA and server certificate (``tls``), made by :meth:`start`."""
@@ -170,6 +172,7 @@ class LocalDeployment:
             # certificate must name 127.0.0.1 as well as what nodes and `flwr` dial.
             self.tls_files = make_tls_certificates(self.work_dir / "certs")
         self._write_connection()
+        staged_app(self.app)
         self.log(
             f"starting flower-superlink on {self.address}"
             + (" (TLS)" if self.tls else "")
@@ -346,7 +349,7 @@ class LocalDeployment:
         cmd = [
             bin_path("flwr"),
             "run",
-            str(APP_DIR),
+            str(self.app),
             CONNECTION,
             "--run-config",
             run_config_arg(run_config),

@@ -17,7 +17,8 @@ from flower_shard import protocol as P
 from flower_shard import runfiles as F
 from flower_shard.flower.node.config import NodeConfig
 from flower_shard.flower.node.launcher import Node, bin_path, env_with_bin
-from flower_shard.launch.deployment import APP_DIR, FLWR_CONFIG, FLWR_HOME, run_config_arg
+from flower_shard.launch.deployment import FLWR_CONFIG, FLWR_HOME, run_config_arg
+from flower_shard.launch.fab import staged_app
 from flower_shard.launch.processes import ManagedProcess, free_port
 
 CONNECTION = "local-simulation"
@@ -56,7 +57,8 @@ def simulate(
             node.wait_group()
         config = dict(run_config)
         config[P.GROUP_ADDRESSES] = ",".join(n.address for n in nodes)
-        cmd = [bin_path("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config"]
+        app = staged_app(work / "app")
+        cmd = [bin_path("flwr"), "run", str(app), CONNECTION, "--run-config"]
         cmd.append(run_config_arg(config))
         flwr = ManagedProcess("flwr-run", cmd, work / "flwr-run-1.log", env, cwd=work)
         flwr = _wait_for_summary(out, flwr, nodes, time.monotonic() + timeout, timeout)

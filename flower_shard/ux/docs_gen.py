@@ -23,7 +23,8 @@ from flower_shard.config.choices import choices_of
 from flower_shard.config.federation import RENAMED, FederationConfig
 from flower_shard.config.train import TrainConfig
 from flower_shard.flower.node.config import NodeConfig, add_node_flags
-from flower_shard.launch.deployment import APP_DIR, toml_value
+from flower_shard.launch.deployment import toml_value
+from flower_shard.launch.fab import APP_DIR
 from flower_shard.ux.cli import add_config_flags, field_docs
 
 COMMAND = "python -m flower_shard.ux.docs_gen > docs/configuration.md"
