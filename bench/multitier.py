@@ -40,7 +40,14 @@ from flower_shard.flower.node.launcher import env_with_bin
 from flower_shard.launch.deployment import LocalDeployment
 from flower_shard.launch.emulated_network import EmulatedNetwork, available
 from flower_shard.launch.processes import ManagedProcess, free_port
-from flower_shard.planning.costmodel import Layout, Network, Workload, outer_sync_bytes, predict
+from flower_shard.planning.costmodel import (
+    CONTROL_PLANE_S,
+    Layout,
+    Network,
+    Workload,
+    outer_sync_bytes,
+    predict,
+)
 from flower_shard.runtime.models import build_model, count_parameters
 from flower_shard.ux.metrics import read_metrics
 
@@ -440,15 +447,22 @@ def make_configs(
     return out
 
 
+STREAMING_SYNC = f"{P.STREAMING}-sync"  # the streaming transport without the pipelined commit
+
+
 def variant(name: str) -> dict:
-    """What a configuration's name says about its exchange: compression, overlap, fragments."""
+    """What a configuration's name says about its exchange: compression, overlap, fragments,
+    the transport (one torchrun job: collective) and whether its commit is pipelined."""
     tags = name.split()[0].split("+")[1:]
     fragments = next((int(t[1:]) for t in tags if t.startswith("F") and t[1:].isdigit()), 1)
     compression = next((t for t in tags if t in ("bf16", "int8")), "none")
-    return {"compression": compression, "overlap": "ovl" in tags, "fragments": fragments}
-
-
-STREAMING_SYNC = f"{P.STREAMING}-sync"  # the streaming transport without the pipelined commit
+    return {
+        "compression": compression,
+        "overlap": "ovl" in tags,
+        "fragments": fragments,
+        "transport": deployed_transport(name) or P.COLLECTIVE,
+        "pipelined": STREAMING_SYNC not in name,
+    }
 
 
 def deployed_transport(name: str) -> str | None:
@@ -513,7 +527,13 @@ def predicted_speedup(
     compression: str = "none",
     overlap: bool = False,
     fragments: int = 1,
+    transport: str = P.COLLECTIVE,
+    pipelined: bool = True,
 ) -> float:
+    """The cost model's speed-up over FSDP for one configuration (:func:`variant`'s terms). A
+    streaming run also pays Flower's control plane each round (``CONTROL_PLANE_S``, measured
+    apart by bench/control_plane.py); the collective rows are one torchrun job, without it."""
+    streaming = transport == P.STREAMING
     net = Network(
         ranks_per_node=k,
         nodes_per_site=1,
@@ -524,20 +544,29 @@ def predicted_speedup(
         inter_node_lat=0,
         inter_site_lat=0,
         backend="gloo",  # the benchmark runs on CPU
+        round_overhead_s=CONTROL_PLANE_S if streaming else 0.0,
     )
     w = Workload(
-        params=params, compute_s=compute_s, tokens_per_step=tokens, compression=compression
+        params=params,
+        compute_s=compute_s,
+        tokens_per_step=tokens,
+        compression=compression,
+        downlink_compression=compression if streaming else "none",  # as run_flower sets it
     )
     sharding, r = ("hsdp", 2) if hsdp else ("fsdp", 1)
-    fl = predict(
-        w,
-        Layout(
-            2 * k, 2, sharding, r, local_steps=t, outer_overlap=overlap, outer_fragments=fragments
-        ),
-        net,
+    fl = Layout(
+        2 * k,
+        2,
+        sharding,
+        r,
+        local_steps=t,
+        outer_overlap=overlap,
+        outer_fragments=fragments,
+        transport=transport,
+        pipelined=pipelined,
     )
     base = predict(w, Layout(2 * k, 1, sharding, r), net)
-    return fl.tokens_per_s / base.tokens_per_s
+    return predict(w, fl, net).tokens_per_s / base.tokens_per_s
 
 
 def med(values: list[float]) -> dict:
@@ -752,23 +781,37 @@ def plot(results: dict, path: Path) -> None:
     print(f"multitier: plot in {path}")
 
 
+def priced(name: str) -> bool:
+    """Whether the cost model prices a configuration: FL over the collective or streaming
+    transport (the flower transport sends whole models through Flower's messages)."""
+    return name.startswith("fl-") and deployed_transport(name) != P.FLOWER
+
+
+def collective_twin(name: str, entries: dict) -> float | None:
+    """The compute per step of the one-job run with the same exchange schedule, for deployed
+    rows of files written before those rows recorded their own."""
+    twin = name.replace(f"-{STREAMING_SYNC}", "").replace(f"-{P.STREAMING}", "")
+    return entries.get(twin, {}).get("compute_s_per_step")
+
+
 def repredict(path: Path) -> None:
     """Rewrite ``predicted_speedup`` in a result file with the current cost model."""
     results = json.loads(path.read_text())
     c = results["config"]
     for rate, entries in results["rates"].items():
         for name, e in entries.items():
-            if "compute_s_per_step" not in e:
+            compute = e.get("compute_s_per_step") or collective_twin(name, entries)
+            if not priced(name) or compute is None:
                 continue
             e["predicted_speedup"] = predicted_speedup(
                 results["params"],
-                e["compute_s_per_step"],
+                compute,
                 c["batch_size"] * c["seq_len"],
                 float(rate),
                 c["ranks_per_site"],
                 int(name.split("=")[1]),
                 name.startswith("fl-hsdp"),
-                *variant(name).values(),
+                **variant(name),
             )
     path.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
@@ -811,24 +854,16 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
         if name.startswith("fl-"):
             iso = statistics.median(r["isolated_tokens_per_s"] for r in runs)
             entry["fraction_of_isolated"] = entry["tokens_per_s"]["median"] / iso
-        if name.startswith("fl-") and not deployed_transport(name):  # it prices collectives
+        if priced(name):
             t = int(name.split("=")[1])
             v = variant(name)
             compression = v["compression"]
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["compute_s_per_step"] = compute  # the model's input: --repredict reuses it
             entry["predicted_speedup"] = predicted_speedup(
-                params,
-                compute,
-                tokens_per_step,
-                rate,
-                k,
-                t,
-                kind == "hsdp",
-                compression,
-                v["overlap"],
-                v["fragments"],
+                params, compute, tokens_per_step, rate, k, t, kind == "hsdp", **v
             )
+        if priced(name) and not deployed_transport(name):
             # Every rank's outer-sync bytes cross the site link (one group per site).
             w = Workload(
                 params=params,

@@ -153,6 +153,51 @@ def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
     ).intra_s == pytest.approx(hsdp.intra_s / 4)
 
 
+def test_the_streaming_transport_is_priced_as_a_hub_by_hand():
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    # Sites of 4 ranks joined by a 100 B/s link each, everything inside a site free.
+    net = Network(
+        ranks_per_node=4,
+        nodes_per_site=1,
+        intra_node_bw=1e12,
+        inter_site_bw=100.0,
+        intra_node_lat=0,
+        inter_site_lat=0,
+    )
+
+    def exchange(groups: int, w=w, net=net, **kw) -> float:
+        lay = Layout(4 * groups, groups, local_steps=1, transport=P.STREAMING, **kw)
+        return predict(w, lay, net).extra["exchange_s"]
+
+    # G = 2: site 1's 4000 B go up and come back down across the hub's link, at once when
+    # pipelined (40 s, as the ring all-reduce of 4 shards of 1000 B), one after the other not.
+    assert exchange(2) == pytest.approx(40.0)
+    ring = predict(w, Layout(8, 2, local_steps=1), net).extra["exchange_s"]
+    assert ring == pytest.approx(40.0)
+    assert exchange(2, pipelined=False) == pytest.approx(80.0)
+    # G = 4 sites: three groups beyond the hub, 3 x 4000 B each way; the ring moves 2 x 3/4.
+    assert exchange(4) == pytest.approx(120.0)
+    assert predict(w, Layout(16, 4, local_steps=1), net).extra["exchange_s"] == pytest.approx(60)
+    # int8 up (1 + 4/2048 B a value), float32 down: the download is the longer direction.
+    int8 = Workload(params=1000, compute_s=1.0, tokens_per_step=10, compression="int8")
+    assert exchange(2, w=int8) == pytest.approx(40.0)
+    both = Workload(**{**int8.__dict__, "downlink_compression": "int8"})
+    assert exchange(2, w=both) == pytest.approx(1000 * (1 + 4 / 2048) / 100.0)
+    # What a rank sends to other groups: its quarter of the model, uploaded; no stripe gather.
+    lay = Layout(8, 2, local_steps=4, transport=P.STREAMING)
+    assert outer_sync_bytes(w, lay) == 1000.0 and outer_stripe_gather_bytes(w, lay) == 0.0
+    # Overlapped: 4 steps of 1 s hide 4 of the 40 s; Flower's 0.5 s a round is never hidden.
+    flower = Network(**{**net.__dict__, "round_overhead_s": 0.5})
+    ovl = predict(w, Layout(8, 2, local_steps=4, outer_overlap=True, transport=P.STREAMING), flower)
+    assert ovl.extra["hidden_s"] == pytest.approx(4.0)
+    assert ovl.inter_s == pytest.approx((40.0 - 4.0 + 0.5) / 4)
+    assert predict(w, Layout(8, 1), flower).inter_s == 0  # one job: no rounds, no control
+    with pytest.raises(ConfigError, match="fragments run on the collective transport only"):
+        Layout(8, 2, outer_fragments=2, transport=P.STREAMING)
+    with pytest.raises(ConfigError, match="prices transports"):
+        Layout(8, 2, transport=P.FLOWER)
+
+
 def test_more_local_steps_never_slow_down_and_slow_sites_favour_groups():
     w = Workload(params=10**8, compute_s=0.5, tokens_per_step=4096)
     net = Network(ranks_per_node=4, nodes_per_site=2, inter_site_bw=0.1 * GB)

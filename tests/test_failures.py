@@ -71,20 +71,21 @@ class ServerKilled(Exception):
     pass
 
 
-def serverapp_pids() -> list[int]:
+def serverapp_pids(deployment: LocalDeployment) -> list[int]:
+    """This deployment's ServerApp processes (the SuperLink's children carry its marker): never
+    another suite's on the same host."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(part.endswith(b"flwr-serverapp") for part in cmd[:2]):
-                pids.append(int(entry.name))
+    for pid in marked_pids(deployment.superlink.marker):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"flwr-serverapp") for part in cmd[:2]):
+            pids.append(pid)
     return pids
 
 
-def kill_serverapp_after(rnd: int, dump: Path | None = None):
+def kill_serverapp_after(deployment: LocalDeployment, rnd: int, dump: Path | None = None):
     """Kill the ServerApp once round ``rnd`` is recorded and, with ``dump``, once both groups
     have trained round ``rnd + 1``: the dead run leaves tasks behind on the nodes, which must
     not harm the next."""
@@ -96,7 +97,7 @@ def kill_serverapp_after(rnd: int, dump: Path | None = None):
             while not all(f.exists() for f in trained) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert all(f.exists() for f in trained), "the groups never started the next round"
-            pids = serverapp_pids()
+            pids = serverapp_pids(deployment)
             assert pids, "no flwr-serverapp process to kill"
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
@@ -133,11 +134,10 @@ def test_server_killed_then_resumed_ends_bit_identical(deployment, tmp_path, tra
         # Killed once both groups have trained round 3: collective, as they enter its sync (the
         # dead run's store goes with the ServerApp; a group still waiting in that sync gives it
         # up when the resumed run's command arrives, flower/group/abandon.py, and rolls back).
-        deployment.run(
-            config(killed, transport, **extra), on_round=kill_serverapp_after(2, deployment.dump)
-        )
+        kill = kill_serverapp_after(deployment, 2, deployment.dump)
+        deployment.run(config(killed, transport, **extra), on_round=kill)
     time.sleep(1)
-    assert not serverapp_pids()
+    assert not serverapp_pids(deployment)
     saved = C.rounds(killed / "checkpoints" / "server")
     assert saved and max(saved) >= 2
 

@@ -7,7 +7,14 @@ import dataclasses
 
 import pytest
 
-from flower_shard.planning.costmodel import Layout, intra_group_bytes
+from flower_shard import protocol as P
+from flower_shard.planning.costmodel import (
+    CONTROL_PLANE_S,
+    Layout,
+    intra_group_bytes,
+    predict,
+    streaming_exchange_s,
+)
 from flower_shard.planning.memory import GB
 from flower_shard.planning.planner import (
     MemoryBudget,
@@ -38,7 +45,9 @@ def ranked(*flags: str):
     shape = model_shape(args.model, args.seq_len)
     w, net = workload_and_network(args, shape.params)
     budget = MemoryBudget(shape, step_setup(args), args.gpu_memory * GB, args.reserved_gb * GB)
-    return candidates(w, net, args.gpus, budget, max_local_steps=args.max_local_steps)
+    return candidates(
+        w, net, args.gpus, budget, max_local_steps=args.max_local_steps, transport=args.transport
+    )
 
 
 def find(cands, sharding: str, groups: int, local_steps: int, overlap: bool = False):
@@ -72,6 +81,40 @@ def test_it_prices_the_overlapped_sync_and_recommends_it_on_a_slow_link(capsys):
     assert cli_main(["plan", *slow]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended:"))
     assert "--outer-overlap" in line
+
+
+def test_the_streaming_transport_is_priced_through_the_aggregators_with_flowers_rounds(capsys):
+    # The paper's four sites of 128 GPUs at 10 Gbit/s: with G = 4, one group a site, the hub's
+    # link carries 3 groups' models each way.
+    four_sites = PAPER
+    args = plan_args(*four_sites, "--transport", "streaming")
+    w, net = workload_and_network(args, model_shape(args.model, args.seq_len).params)
+    assert net.round_overhead_s == CONTROL_PLANE_S  # Flower drives the rounds
+    cands = ranked(*four_sites, "--transport", "streaming")
+    collective = ranked(*four_sites)
+    c = find(cands, "fsdp", 4, 8)
+    assert c.layout.transport == P.STREAMING
+    exchange = streaming_exchange_s(w, c.layout, net)
+    assert exchange == pytest.approx(3 * w.params * 4 / (10e9 / 8) + 2 * net.inter_site_lat)
+    assert c.prediction.inter_s == pytest.approx((exchange + CONTROL_PLANE_S) / 8)
+    # With G = 4 the hub's link is twice as busy as a ring's: slower than the collective.
+    ring = find(collective, "fsdp", 4, 8)
+    assert ring.prediction.extra["exchange_s"] == pytest.approx(exchange / 2, rel=1e-3)
+    assert c.prediction.tokens_per_s < ring.prediction.tokens_per_s
+    # The G = 1 baseline is one job either way: same throughput, no control plane.
+    assert best_baseline(cands).prediction == best_baseline(collective).prediction
+    # Overlap hides the bytes, not Flower's rounds; the pick reads as a Flower run's keys.
+    ovl = find(cands, "fsdp", 4, 8, overlap=True)
+    hidden = predict(w, ovl.layout, net).extra["hidden_s"]
+    assert ovl.prediction.inter_s == pytest.approx((exchange - hidden + CONTROL_PLANE_S) / 8)
+    assert cli_main(["plan", *four_sites, "--transport", "streaming"]) == 0
+    out = capsys.readouterr().out
+    assert "streaming transport (0.78 s of control a round)" in out.splitlines()[0]
+    line = next(x for x in out.splitlines() if x.startswith("recommended:"))
+    assert " streaming" in line and "--outer-overlap" not in line
+    # An explicit overhead replaces the default.
+    args = plan_args(*four_sites, "--transport", "streaming", "--round-overhead-s", "0")
+    assert workload_and_network(args, 1000)[1].round_overhead_s == 0.0
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -187,6 +230,9 @@ def test_a_non_llama_directory_counts_its_own_parameters(tmp_path):
         (["--inter-site-gbps", "-1"], "--inter-site-gbps must be > 0"),
         (["--reserved-gb", "90"], "--reserved-gb must be >= 0 and less than --gpu-memory"),
         (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is unknown"),
+        (["--round-overhead-s", "-1"], "--round-overhead-s -1 must be a finite number >= 0"),
+        (["--round-overhead-s", "nan"], "--round-overhead-s nan must be a finite number >= 0"),
+        (["--downlink-compression", "int8"], "add --transport streaming, or drop it"),
     ],
 )
 def test_bad_flags_fail_with_one_line_and_status_2(flags, message, capsys):

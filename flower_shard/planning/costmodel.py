@@ -36,6 +36,18 @@ round's exchange runs behind the next round's T steps: ``hidden = min(exchange, 
 C_intra))`` per round, and only the residual ``exchange - hidden`` holds the steps up. The model
 assumes the exchange does not slow the steps down (on GPUs NCCL runs on its own stream; on CPU
 gloo's thread competes with compute for cores, which the model does not price).
+
+The streaming transport (``Layout.transport``, :mod:`flower_shard.dataplane`) is priced as a
+hub: every rank streams its shard's update to the aggregators and pulls the new values back.
+The aggregators sit beside group 0 (as the ServerApp does), so the link in front of them
+carries every group beyond it: G' x P values each way per round (G' groups beyond the hub's
+node or site), at the uplink's and the downlink's bytes per value. Pipelined (the default
+commit), the download runs one parameter behind the upload on a full-duplex link: the round
+moves the larger of the two; otherwise the upload, then the download. For G = 2 across two
+sites that is the ring all-reduce's time; for larger G the hub's link is G / 2 times busier
+than a ring's. Fragments run on the collective transport only. ``Network.round_overhead_s``
+adds what a round costs outside the steps and the bytes: Flower's control plane when a
+deployment drives the rounds (0 for one torchrun job); overlap does not hide it.
 """
 
 from __future__ import annotations
@@ -43,8 +55,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from flower_shard import protocol as P
 from flower_shard.config import choices as C
+from flower_shard.errors import ConfigError
 from flower_shard.runtime.topology import Topology
+
+PRICED_TRANSPORTS = (P.COLLECTIVE, P.STREAMING)
+"""Transports the model prices (the flower transport sends whole models through Flower)."""
+CONTROL_PLANE_S = 0.78
+"""Flower's control plane per round, median (bench/control_plane.py, bench/RESULTS.md)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,10 @@ class Network:
     backend: str = "nccl"
     """The collective library: ``nccl`` (ring reduce-scatter) or ``gloo`` (reduce-scatter as
     an all-reduce: twice the bytes)."""
+    round_overhead_s: float = 0.0
+    """Seconds a round spends on control outside the steps and the exchange's bytes: Flower's
+    control plane where a deployment drives the rounds (:data:`CONTROL_PLANE_S`); 0 for one
+    torchrun job."""
 
     def tier(self, span: int, stride: int = 1) -> tuple[float, float]:
         """(bandwidth per ring, latency) of a collective over ``span`` ranks ``stride`` apart.
@@ -107,12 +130,24 @@ class Workload:
     """The outer sync's payload: `none` (float32 all-reduce), `bf16` or `int8` (all-gather)."""
     compression_chunk: int = 2048
     """int8: values per float32 scale."""
+    downlink_compression: str = C.NO_COMPRESSION
+    """The streaming transport's download of the new values: `none` (float32), or the delta
+    in `bf16` / `int8` (run-config ``downlink-compression``)."""
 
     @property
     def exchange_value_bytes(self) -> float:
         """Bytes per value of the outer sync's payload."""
-        per_value = {C.NO_COMPRESSION: 4.0, C.BF16: 2.0, C.INT8: 1.0 + 4.0 / self.compression_chunk}
-        return per_value[self.compression]
+        return value_bytes(self.compression, self.compression_chunk)
+
+    @property
+    def downlink_value_bytes(self) -> float:
+        """Bytes per value of the streaming transport's download."""
+        return value_bytes(self.downlink_compression, self.compression_chunk)
+
+
+def value_bytes(compression: str, chunk: int) -> float:
+    """Bytes per value of a payload: float32, bf16, or int8 with a float32 scale per chunk."""
+    return {C.NO_COMPRESSION: 4.0, C.BF16: 2.0, C.INT8: 1.0 + 4.0 / chunk}[compression]
 
 
 @dataclass(frozen=True)
@@ -128,6 +163,23 @@ class Layout(Topology):
     """F: the outer sync in F fragments staggered over the round."""
     outer_overlap: bool = False
     """The outer sync runs behind the next round's steps (one sync of delay)."""
+    transport: str = P.COLLECTIVE
+    """How groups exchange: ``collective`` (all-reduce between groups) or ``streaming``
+    (through the aggregators: see the module docstring)."""
+    pipelined: bool = True
+    """Streaming: the download follows the upload (the pipelined commit), else it waits."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.transport not in PRICED_TRANSPORTS:
+            raise ConfigError(
+                f"the cost model prices transports {PRICED_TRANSPORTS}, not {self.transport!r}"
+            )
+        if self.transport == P.STREAMING and self.outer_fragments > 1:
+            raise ConfigError(
+                "fragments run on the collective transport only: set outer_fragments = 1 "
+                "with transport = 'streaming'"
+            )
 
 
 @dataclass(frozen=True)
@@ -187,7 +239,11 @@ def intra_group_bytes(w: Workload, lay: Layout, backend: str = "nccl") -> dict[s
 def outer_sync_bytes(w: Workload, lay: Layout) -> float:
     """Bytes each rank sends to other groups in one outer sync: its 1/R stripe of the float32
     shards in a ring all-reduce over G, or compressed shards in a ring all-gather (every group
-    needs every payload to decode; not striped)."""
+    needs every payload to decode; not striped); streaming: its 1/K of the model, uploaded."""
+    if lay.groups == 1:
+        return 0.0
+    if lay.transport == P.STREAMING:
+        return w.params * w.exchange_value_bytes / lay.group_size
     if w.compression == C.NO_COMPRESSION:
         return 2 * ring_fraction(lay.groups) * w.params * 4 / lay.group_size
     return (lay.groups - 1) * w.params * w.exchange_value_bytes / lay.shard_degree
@@ -196,9 +252,33 @@ def outer_sync_bytes(w: Workload, lay: Layout) -> float:
 def outer_stripe_gather_bytes(w: Workload, lay: Layout) -> float:
     """Bytes each rank sends inside its group in one outer sync: the all-gather of the averaged
     stripes among the R replicas (none for FSDP, compressed syncs or G = 1)."""
-    if lay.groups == 1 or w.compression != C.NO_COMPRESSION:
+    if lay.groups == 1 or w.compression != C.NO_COMPRESSION or lay.transport == P.STREAMING:
         return 0.0
     return sent_bytes("allgather", w.params * 4 / lay.group_size, lay.replicate)
+
+
+def hub_link(net: Network, lay: Layout) -> tuple[float, float, int]:
+    """The link in front of the aggregators, which sit beside group 0: its bandwidth, its
+    latency, and how many groups lie beyond it (on other nodes, or other sites)."""
+    g, k = lay.groups, lay.group_size
+    node, site = net.ranks_per_node, net.ranks_per_node * net.nodes_per_site
+    if g * k <= node:
+        return net.intra_node_bw, net.intra_node_lat, g - 1
+    if g * k <= site:  # a path per rank of the hub's node, as a collective has
+        return net.inter_node_bw * min(k, node), net.inter_node_lat, g - max(1, node // k)
+    paths = 1 if net.site_link_shared else min(k, site)
+    return net.inter_site_bw * paths, net.inter_site_lat, g - max(1, site // k)
+
+
+def streaming_exchange_s(w: Workload, lay: Layout, net: Network) -> float:
+    """One round's exchange through the aggregators (see the module docstring): the groups
+    beyond the hub's link upload P values each and download P values each across it."""
+    if lay.groups == 1:
+        return 0.0
+    bw, lat, beyond = hub_link(net, lay)
+    up = beyond * w.params * w.exchange_value_bytes / bw
+    down = beyond * w.params * w.downlink_value_bytes / bw
+    return (max(up, down) if lay.pipelined else up + down) + 2 * lat
 
 
 def _collective_s(nbytes: float, n: int, bw: float, lat: float, steps_per_rank: int) -> float:
@@ -222,9 +302,13 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     intra += _collective_s(gather, r, bw_r, lat_r, 1) / lay.local_steps
     ring_steps = 2 if w.compression == C.NO_COMPRESSION else 1  # all-reduce vs all-gather
     f = lay.outer_fragments
-    exchange = f * _collective_s(outer_sync_bytes(w, lay) / f, g, bw_g, lat_g, ring_steps)
+    if lay.transport == P.STREAMING:
+        exchange = streaming_exchange_s(w, lay, net)
+    else:
+        exchange = f * _collective_s(outer_sync_bytes(w, lay) / f, g, bw_g, lat_g, ring_steps)
     hidden = min(exchange, lay.local_steps * (w.compute_s + intra)) if lay.outer_overlap else 0.0
-    inter = (exchange - hidden) / lay.local_steps
+    control = net.round_overhead_s if g > 1 else 0.0  # one job of G = 1 has no rounds
+    inter = (exchange - hidden + control) / lay.local_steps
     step = w.compute_s + intra + inter
     burst = lay.group_size * outer_sync_bytes(w, lay) / f  # one group's bytes per fragment sync
     return Prediction(

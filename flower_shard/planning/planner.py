@@ -6,9 +6,11 @@ Example, the paper's setting (512 A100 in nodes of 4, Llama 3.1 8B, bf16, batch 
         --intra-node-gbps 2400 --inter-node-gbps 200 --inter-site-gbps 10 --bf16
 
 Every layout is priced twice: its step time and throughput by
-:mod:`~flower_shard.planning.costmodel` (the collective transport between groups), its memory
-per GPU by :mod:`~flower_shard.planning.memory`. Layouts whose peak exceeds ``--gpu-memory``
-are marked and never recommended; the table lists the layouts that fit first, fastest first.
+:mod:`~flower_shard.planning.costmodel` (``--transport``: the collective all-reduce between the
+groups of one job, or the streaming transport's aggregators with Flower's control plane each
+round), its memory per GPU by :mod:`~flower_shard.planning.memory` (as a collective run's ranks
+hold it). Layouts whose peak exceeds ``--gpu-memory`` are marked and never recommended; the
+table lists the layouts that fit first, fastest first.
 Speed-ups are against the best G = 1 layout that fits (plain FSDP or HSDP over all GPUs), the
 run a user would otherwise start. bf16 is priced as the runtime runs it
 (``runtime/parallelize.py``: bf16 all-gathers, float32 gradient reduction).
@@ -17,17 +19,20 @@ run a user would otherwise start. bf16 is priced as the runtime runs it
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
+from flower_shard import protocol as P
 from flower_shard.config import choices as C
-from flower_shard.errors import ConfigError
-from flower_shard.planning.costmodel import Layout, Network, Prediction, Workload, predict
+from flower_shard.planning.costmodel import (
+    CONTROL_PLANE_S,
+    Layout,
+    Network,
+    Prediction,
+    Workload,
+    predict,
+)
 from flower_shard.planning.memory import GB, MemoryEstimate, ModelShape, StepSetup, estimate
-
-SHARED, PER_RANK = "shared", "per-rank"
-SITE_LINKS = (SHARED, PER_RANK)
-"""--site-link: how the inter-site bandwidth is split (Network.site_link_shared)."""
+from flower_shard.planning.plan_flags import SHARED, check_plan_args
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,10 @@ def candidates(
     budget: MemoryBudget,
     local_steps=(1, 2, 4, 8, 16),
     max_local_steps: int = 8,
+    transport: str = P.COLLECTIVE,
 ) -> list[Candidate]:
-    """Every FSDP / HSDP layout with G dividing N and T in ``local_steps`` (T <= max), ranked
-    by :func:`rank`."""
+    """Every FSDP / HSDP layout with G dividing N and T in ``local_steps`` (T <= max), its
+    groups exchanging over ``transport``, ranked by :func:`rank`."""
     out = []
     node = net.ranks_per_node
     for g in (d for d in range(1, world + 1) if world % d == 0):
@@ -87,7 +93,15 @@ def candidates(
                 if t > max_local_steps:
                     continue
                 for overlap in _overlaps(g):
-                    lay = Layout(world, g, sharding, r, local_steps=t, outer_overlap=overlap)
+                    lay = Layout(
+                        world,
+                        g,
+                        sharding,
+                        r,
+                        local_steps=t,
+                        outer_overlap=overlap,
+                        transport=transport,
+                    )
                     memory = budget.of(lay)
                     fits = memory.fits(budget.gpu_bytes)
                     out.append(Candidate(lay, predict(w, lay, net), memory, fits))
@@ -149,6 +163,9 @@ def describe(c: Candidate) -> str:
     lay = c.layout
     r = f" R={lay.replicate}" if lay.sharding == C.HSDP else ""
     t = f" T={lay.local_steps}" if lay.groups > 1 else ""
+    if lay.groups > 1 and lay.transport == P.STREAMING:  # a Flower run's config keys
+        overlap = f" {P.OUTER_OVERLAP}=true" if lay.outer_overlap else ""
+        return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t} streaming{overlap}"
     overlap = " --outer-overlap" if lay.outer_overlap else ""
     return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}{overlap}"
 
@@ -186,86 +203,6 @@ def summary_lines(cands: list[Candidate], gpu_gb: float) -> list[str]:
     return lines
 
 
-def add_plan_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of ``flower-shard plan``: the cluster, then the model and its step."""
-    _add_cluster_flags(p)
-    _add_step_flags(p)
-    p.add_argument(
-        "--max-local-steps",
-        type=int,
-        default=8,
-        help="largest T to consider (the paper finds T in 2..8 best)",
-    )
-    p.add_argument("--top", type=int, default=15, help="rows to print")
-
-
-def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=int, default=512, help="N: all ranks")
-    p.add_argument("--gpus-per-node", type=int, default=4)
-    p.add_argument(
-        "--nodes-per-site",
-        type=int,
-        default=None,
-        help="nodes in one site; divides the nodes (default: all nodes in one site)",
-    )
-    p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per link, Gbit/s")
-    p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per link, Gbit/s")
-    p.add_argument("--inter-site-gbps", type=float, default=10.0, help="per link, Gbit/s")
-    p.add_argument(
-        "--site-link",
-        choices=SITE_LINKS,
-        default=SHARED,
-        help="shared: one link per site, split by every ring that leaves it at once (a WAN "
-        "link; what bench/multitier.py emulates and validates); per-rank: each GPU has its "
-        "own inter-site path at --inter-site-gbps",
-    )
-    p.add_argument("--gpu-tflops", type=float, default=312.0, help="peak dense TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation, in (0, 1]")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU")
-    p.add_argument(
-        "--reserved-gb",
-        type=float,
-        default=2.0,
-        help="GB per GPU kept free for the CUDA context, NCCL buffers and fragmentation",
-    )
-
-
-def _add_step_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="llama3.1-8b",
-        help="a preset (flower_shard/config/presets.py) or a local transformers model directory "
-        "(config.json, with or without weights), as `train` takes it",
-    )
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument(
-        "--bf16",
-        action="store_true",
-        help="bf16 compute as `train --bf16` runs it: bf16 all-gathers and activations, "
-        "float32 gradient reduce-scatters, weights and optimizer state",
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="price activations as with every decoder layer checkpointed (a what-if: `train` "
-        "does not checkpoint activations)",
-    )
-    p.add_argument(
-        "--outer",
-        choices=C.OUTER_OPTIMIZERS,
-        default=C.FEDAVG,
-        help="the outer optimizer (nesterov keeps two more float32 copies of a rank's shard)",
-    )
-    p.add_argument(
-        "--compression",
-        choices=C.COMPRESSIONS,
-        default=Workload.compression,
-        help="the outer sync's payload between groups: float32 all-reduce (none), or a bf16 / "
-        "int8 all-gather (flower_shard/runtime/compression.py)",
-    )
-
-
 def plan_from_args(args: argparse.Namespace) -> int:
     """``flower-shard plan``: check the flags, rank the layouts, print the table and the pick."""
     from flower_shard.planning.shapes import model_shape
@@ -274,12 +211,15 @@ def plan_from_args(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, args.seq_len)
     w, net = workload_and_network(args, shape.params)
     budget = MemoryBudget(shape, step_setup(args), args.gpu_memory * GB, args.reserved_gb * GB)
-    cands = candidates(w, net, args.gpus, budget, max_local_steps=args.max_local_steps)
+    cands = candidates(
+        w, net, args.gpus, budget, max_local_steps=args.max_local_steps, transport=args.transport
+    )
     print(
         f"{args.model}: {_count(w.params)} parameters, {args.gpus} GPUs "
         f"({args.gpus_per_node} per node, {net.nodes_per_site} node(s) per site, "
         f"{args.gpu_memory:g} GB each), compute {w.compute_s * 1e3:.0f} ms per step, "
-        f"{'bf16' if args.bf16 else 'fp32'}, outer {args.outer}"
+        f"{'bf16' if args.bf16 else 'fp32'}, outer {args.outer}, {args.transport} transport "
+        f"({net.round_overhead_s:g} s of control a round)"
     )
     print(format_table(cands, args.top))
     for line in summary_lines(cands, args.gpu_memory):
@@ -303,32 +243,6 @@ def step_setup(args: argparse.Namespace) -> StepSetup:
     )
 
 
-def check_plan_args(args: argparse.Namespace) -> None:
-    """Raise :class:`ConfigError` (one line) on the first wrong flag."""
-    for flag in ("gpus", "gpus_per_node", "batch_size", "seq_len", "max_local_steps", "top"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.gpus % args.gpus_per_node:
-        raise ConfigError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node")
-    nodes = args.gpus // args.gpus_per_node
-    sites = args.nodes_per_site
-    if sites is not None and (sites < 1 or nodes % sites):
-        raise ConfigError(
-            f"--nodes-per-site {sites} must divide the {nodes} nodes (--gpus / --gpus-per-node)"
-        )
-    numbers = ("intra_node_gbps", "inter_node_gbps", "inter_site_gbps", "gpu_tflops")
-    for flag in (*numbers, "mfu", "gpu_memory", "reserved_gb"):
-        if not math.isfinite(getattr(args, flag)):
-            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number")
-    for flag in (*numbers, "gpu_memory"):
-        if getattr(args, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0")
-    if not 0 < args.mfu <= 1:
-        raise ConfigError(f"--mfu {args.mfu:g} must be in (0, 1]: a share of the peak FLOP/s")
-    if not 0 <= args.reserved_gb < args.gpu_memory:
-        raise ConfigError("--reserved-gb must be >= 0 and less than --gpu-memory")
-
-
 def workload_and_network(args: argparse.Namespace, params: int) -> tuple[Workload, Network]:
     """The cost model's inputs from the flags: compute from 6 x P x tokens FLOPs per step.
 
@@ -343,7 +257,11 @@ def workload_and_network(args: argparse.Namespace, params: int) -> tuple[Workloa
         param_bytes=2 if args.bf16 else 4,
         grad_bytes=4,
         compression=args.compression,
+        downlink_compression=args.downlink_compression,
     )
+    overhead = args.round_overhead_s
+    if overhead is None:
+        overhead = CONTROL_PLANE_S if args.transport == P.STREAMING else 0.0
     net = Network(
         ranks_per_node=args.gpus_per_node,
         nodes_per_site=args.nodes_per_site or args.gpus // args.gpus_per_node,
@@ -351,5 +269,6 @@ def workload_and_network(args: argparse.Namespace, params: int) -> tuple[Workloa
         inter_node_bw=args.inter_node_gbps * 1e9 / 8,
         inter_site_bw=args.inter_site_gbps * 1e9 / 8,
         site_link_shared=args.site_link == SHARED,
+        round_overhead_s=overhead,
     )
     return w, net

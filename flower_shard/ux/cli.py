@@ -39,7 +39,7 @@ from flower_shard.errors import ConfigError
 # Each subcommand's flags come from a module that is light to import (no torch, numpy, rich,
 # cryptography or flwr: a test checks); what a subcommand runs is imported when it runs.
 from flower_shard.flower.node.config import add_node_flags
-from flower_shard.planning.planner import add_plan_flags
+from flower_shard.planning.plan_flags import add_plan_flags
 from flower_shard.ux.demo import add_demo_flags
 from flower_shard.ux.export import add_export_flags
 from flower_shard.ux.report import add_report_flags
