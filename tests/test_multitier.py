@@ -61,6 +61,20 @@ def test_multitier_smoke_measures_bytes_the_cost_model_predicts(tmp_path):
     assert 0 <= streaming["exchange_busy_share"]["median"] <= 1
     for direction in ("exchange_use_up", "exchange_use_down"):
         assert 0 < streaming[direction]["median"] <= 1.05, direction
+    # The cost model prices the streaming row too (the aggregators as a hub, plus Flower's
+    # control plane a round) from the row's own compute per step, which the file keeps, so
+    # --repredict recomputes the same figure from it.
+    predicted = streaming["predicted_speedup"]
+    assert predicted > 0 and streaming["compute_s_per_step"] > 0
+    subprocess.run(
+        [sys.executable, str(BENCH), "--repredict", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    (again,) = json.loads(out.read_text())["rates"].values()
+    repredicted = again["fl-fsdp-streaming T=4"]["predicted_speedup"]
+    assert repredicted == pytest.approx(predicted, rel=1e-12)
     # (The int8 leg, `--compression int8`, is left out for CI time: its bytes against the cost
     # model are in tests/test_costmodel.py, its exchange in tests/test_compression.py and
     # tests/test_streaming.py, its figures in bench/RESULTS.md.)
