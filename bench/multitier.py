@@ -470,14 +470,28 @@ def deployed_transport(name: str) -> str | None:
     return next((t for t in (P.FLOWER, P.STREAMING) if f"-{t}" in name), None)
 
 
+def trained_tokens(recs: list[dict]) -> list[float]:
+    """Each round's cumulative tokens *trained*. The one-job driver records those; a Flower
+    run records the tokens *folded*, which with the overlapped streaming sync lag one round
+    behind: round 1 folds nothing (its update is held back) and the last round (the drain)
+    folds two rounds' steps. Every group trains the same steps each round in these runs, so
+    there each round trained an equal share of the total."""
+    if len(recs) < 2 or recs[0]["tokens"] > 0:
+        return [r["tokens"] for r in recs]
+    total = recs[-1]["tokens"]
+    return [total * (i + 1) / len(recs) for i in range(len(recs))]
+
+
 def summarise(run: dict, tokens_per_step: int) -> dict:
     recs = run["metrics"]
     steady = recs[1:] if len(recs) > 1 else recs  # the first round pays start-up
     train_s = sum(r["round_s"] for r in steady)
-    tokens = sum(r["round_s"] * r["tokens_per_s"] for r in steady)
+    trained = trained_tokens(recs)
+    # the steady rounds' own steps (not the tokens they fold: overlapped, round 1's too)
+    tokens = trained[-1] - trained[0] if len(recs) > 1 else trained[0]
     compute = sum(r["compute_s"] for r in steady)
-    evals = [
-        (sum(x["round_s"] for x in recs[: i + 1]), r["tokens"], r["eval_ppl"])
+    evals = [  # the groups' models as evaluated: at the tokens they trained
+        (sum(x["round_s"] for x in recs[: i + 1]), trained[i], r["eval_ppl"])
         for i, r in enumerate(recs)
         if r.get("eval_ppl") is not None
     ]
