@@ -374,8 +374,9 @@ def make_configs(
     FL runs get twice the steps: they are still training at the baseline's wall-clock budget.
     Each of ``compressions`` (bf16, int8) adds a copy of every FL configuration that
     compresses its exchange, named ``fl-fsdp+int8 T=4`` (``fl-fsdp-flower+int8 T=4``, unless
-    ``compress_flower`` is False). Each transport of ``deployed`` (flower, streaming) adds
-    every FL+FSDP configuration run through a real Flower deployment with that transport,
+    ``compress_flower`` is False; ``fl-fsdp-streaming+ovl+int8 T=4`` overlapped). Each
+    transport of ``deployed`` (flower, streaming) adds every FL+FSDP configuration run
+    through a real Flower deployment with that transport,
     named ``fl-fsdp-<transport> T=4``. Each F of ``overlaps`` adds every collective FL+FSDP
     configuration with the overlapped outer sync in F fragments (F <= T), named
     ``fl-fsdp+ovl T=4`` (F = 1) or ``fl-fsdp+ovl+F4 T=4``; F = 1 also every pipelined
@@ -441,7 +442,7 @@ def make_configs(
             (name.replace(" T=", f"+{c} T="), dataclasses.replace(cfg, compression=c))
             for name, cfg in list(out)
             if name.startswith("fl-")
-            and "+" not in name  # neither compressed already nor overlapped (uncompressed only)
+            and variant(name)["compression"] == "none"  # overlapped ones too
             and (compress_flower or not deployed_transport(name))
         ]
     return out
