@@ -123,13 +123,10 @@ def test_overlap_hides_the_exchange_up_to_the_next_rounds_steps_and_fragments_sp
     assert frag.inter_s * 4 == pytest.approx(10.0 + 4 * 2 * 0.01)
 
 
-def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
-    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
-    # gloo runs a reduce-scatter as an all-reduce: 2 x 3/4 x 4000 B instead of 3/4 x 4000 B.
-    b = intra_group_bytes(w, Layout(world_size=8, groups=2), backend="gloo")
-    assert b["reduce_scatter"] == 6000.0 and b["allgather"] == 6000.0
-    # Two sites of 4 ranks joined by a 100 B/s link per site, everything else free.
-    net = Network(
+def sites_of_4() -> Network:
+    """Sites of 4 ranks (one node each) joined by a 100 B/s link per site, everything inside a
+    site free."""
+    return Network(
         ranks_per_node=4,
         nodes_per_site=1,
         intra_node_bw=1e12,
@@ -137,6 +134,14 @@ def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
         intra_node_lat=0,
         inter_site_lat=0,
     )
+
+
+def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    # gloo runs a reduce-scatter as an all-reduce: 2 x 3/4 x 4000 B instead of 3/4 x 4000 B.
+    b = intra_group_bytes(w, Layout(world_size=8, groups=2), backend="gloo")
+    assert b["reduce_scatter"] == 6000.0 and b["allgather"] == 6000.0
+    net = sites_of_4()
     # HSDP R = 2 across the sites, S = 4 inside: 4 all-reduces of 1000 B shards leave each site
     # at once and share its link: 4 x (2 x 1/2 x 1000 B) / 100 B/s.
     hsdp = predict(w, Layout(world_size=8, groups=1, sharding="hsdp", replicate=2), net)
@@ -155,15 +160,7 @@ def test_gloo_reduce_scatter_and_the_shared_site_link_by_hand():
 
 def test_the_streaming_transport_is_priced_as_a_hub_by_hand():
     w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
-    # Sites of 4 ranks joined by a 100 B/s link each, everything inside a site free.
-    net = Network(
-        ranks_per_node=4,
-        nodes_per_site=1,
-        intra_node_bw=1e12,
-        inter_site_bw=100.0,
-        intra_node_lat=0,
-        inter_site_lat=0,
-    )
+    net = sites_of_4()
 
     def exchange(groups: int, w=w, net=net, **kw) -> float:
         lay = Layout(4 * groups, groups, local_steps=1, transport=P.STREAMING, **kw)
