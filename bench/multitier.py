@@ -41,10 +41,10 @@ from flower_shard.launch.deployment import LocalDeployment
 from flower_shard.launch.emulated_network import EmulatedNetwork, available
 from flower_shard.launch.processes import ManagedProcess, free_port
 from flower_shard.planning.costmodel import (
-    CONTROL_PLANE_S,
     Layout,
     Network,
     Workload,
+    default_round_overhead_s,
     outer_sync_bytes,
     predict,
 )
@@ -546,8 +546,8 @@ def predicted_speedup(
     pipelined: bool = True,
 ) -> float:
     """The cost model's speed-up over FSDP for one configuration (:func:`variant`'s terms). A
-    streaming run also pays Flower's control plane each round (``CONTROL_PLANE_S``, measured
-    apart by bench/control_plane.py); the collective rows are one torchrun job, without it."""
+    streaming run also pays Flower's control plane each round (measured apart by
+    bench/control_plane.py); the collective rows are one torchrun job, without it."""
     streaming = transport == P.STREAMING
     net = Network(
         ranks_per_node=k,
@@ -559,7 +559,7 @@ def predicted_speedup(
         inter_node_lat=0,
         inter_site_lat=0,
         backend="gloo",  # the benchmark runs on CPU
-        round_overhead_s=CONTROL_PLANE_S if streaming else 0.0,
+        round_overhead_s=default_round_overhead_s(transport),
     )
     w = Workload(
         params=params,
@@ -878,22 +878,18 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             entry["predicted_speedup"] = predicted_speedup(
                 params, compute, tokens_per_step, rate, k, t, kind == "hsdp", **v
             )
-        if priced(name) and not deployed_transport(name):
-            # Every rank's outer-sync bytes cross the site link (one group per site).
-            w = Workload(
-                params=params,
-                compute_s=compute,
-                tokens_per_step=tokens_per_step,
-                compression=compression,
-            )
-            entry["predicted_inter_bytes"] = (
-                runs[0]["rounds"]
-                * 2
-                * k
-                * outer_sync_bytes(
-                    w, Layout(2 * k, 2, kind, 2 if kind == "hsdp" else 1, local_steps=t)
+            if not deployed_transport(name):
+                # Every rank's outer-sync bytes cross the site link (one group per site).
+                w = Workload(
+                    params=params,
+                    compute_s=compute,
+                    tokens_per_step=tokens_per_step,
+                    compression=compression,
                 )
-            )
+                lay = Layout(2 * k, 2, kind, 2 if kind == "hsdp" else 1, local_steps=t)
+                entry["predicted_inter_bytes"] = (
+                    runs[0]["rounds"] * 2 * k * outer_sync_bytes(w, lay)
+                )
         out[name] = entry
     return out
 

@@ -66,6 +66,13 @@ CONTROL_PLANE_S = 0.78
 """Flower's control plane per round, median (bench/control_plane.py, bench/RESULTS.md)."""
 
 
+def default_round_overhead_s(transport: str) -> float:
+    """``Network.round_overhead_s`` unless told otherwise: Flower's control plane for the
+    streaming transport (a deployment drives its rounds), none for the collective one (priced
+    as one torchrun job)."""
+    return CONTROL_PLANE_S if transport == P.STREAMING else 0.0
+
+
 @dataclass(frozen=True)
 class Network:
     """Per-tier bandwidth (bytes/s, per link) and latency (s), and how ranks map onto tiers."""

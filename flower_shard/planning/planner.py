@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from flower_shard import protocol as P
 from flower_shard.config import choices as C
 from flower_shard.planning.costmodel import (
-    CONTROL_PLANE_S,
     Layout,
     Network,
     Prediction,
     Workload,
+    default_round_overhead_s,
     predict,
 )
 from flower_shard.planning.memory import GB, MemoryEstimate, ModelShape, StepSetup, estimate
@@ -163,11 +163,10 @@ def describe(c: Candidate) -> str:
     lay = c.layout
     r = f" R={lay.replicate}" if lay.sharding == C.HSDP else ""
     t = f" T={lay.local_steps}" if lay.groups > 1 else ""
+    head = f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}"
     if lay.groups > 1 and lay.transport == P.STREAMING:  # a Flower run's config keys
-        overlap = f" {P.OUTER_OVERLAP}=true" if lay.outer_overlap else ""
-        return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t} streaming{overlap}"
-    overlap = " --outer-overlap" if lay.outer_overlap else ""
-    return f"{lay.sharding.upper()} G={lay.groups} K={lay.group_size}{r}{t}{overlap}"
+        return head + " streaming" + (f" {P.OUTER_OVERLAP}=true" if lay.outer_overlap else "")
+    return head + (" --outer-overlap" if lay.outer_overlap else "")
 
 
 def summary_lines(cands: list[Candidate], gpu_gb: float) -> list[str]:
@@ -261,7 +260,7 @@ def workload_and_network(args: argparse.Namespace, params: int) -> tuple[Workloa
     )
     overhead = args.round_overhead_s
     if overhead is None:
-        overhead = CONTROL_PLANE_S if args.transport == P.STREAMING else 0.0
+        overhead = default_round_overhead_s(args.transport)
     net = Network(
         ranks_per_node=args.gpus_per_node,
         nodes_per_site=args.nodes_per_site or args.gpus // args.gpus_per_node,
