@@ -185,10 +185,39 @@ def refused_upload(p, layout, rnd, group, deltas):
         link.close()
 
 
-@pytest.mark.parametrize("how", ["refused", "cut short", "weight over the bound"])
+def refused_late_upload(p, layout, rnd, group, deltas):
+    """Rank 0 of ``group`` ends its stream to the second aggregator normally first, then the
+    first refuses its NaN: the rank withdraws the ended upload after the fact."""
+    first, second = (next(q for q in layout.params if q.owner == o) for o in (0, 1))
+    bad = deltas[first.name].reshape(-1).copy()
+    bad[1] = np.nan
+    good = deltas[second.name].reshape(-1)
+
+    def sent():  # the whole piece reached the second aggregator
+        return (p.status().get(group) or [{}, {}])[1].get("received") == good.size
+
+    link = RankLink(ticket(p, rnd, group), 0)
+    try:
+        with pytest.raises(DataPlaneError, match="non-finite"):
+            link.upload(
+                [(first.index, 0, HeldValues(bad, sent)), (second.index, 0, good)],
+                layout,
+                WEIGHTS[group],
+                UplinkEncoder("none", 64),
+            )
+    finally:
+        link.close()
+    withdrawn = p.status()[group][1]["rejected"]
+    assert withdrawn and "withdrew" in withdrawn, withdrawn
+
+
+@pytest.mark.parametrize(
+    "how", ["refused", "refused after the other ended", "cut short", "weight over the bound"]
+)
 def test_a_group_the_commit_will_refuse_is_not_waited_for_and_the_fold_is_kept(pool, how):
-    """Group 2 sends NaN to one aggregator (the rank then withdraws its stream to the other)
-    before the others are done, or ends its streams without the end mark (a rank that died),
+    """Group 2 sends NaN to one aggregator (the rank then withdraws its stream to the other,
+    or, where that stream had ended already, the upload it made) before the others are done,
+    or ends its streams without the end mark (a rank that died),
     or declares a weight above the ServerApp's bound (it cannot
     be accepted) after them: both aggregators stop waiting for it, the followers get the mean
     of groups 0 and 1 before the commit, bit for bit what the commit of those two makes, and
@@ -203,6 +232,8 @@ def test_a_group_the_commit_will_refuse_is_not_waited_for_and_the_fold_is_kept(p
     for g in (0, 1):
         if how == "refused" and g == 1:  # between the two honest groups' uploads
             refused_upload(p, layout, 1, 2, deltas[2])
+        if how == "refused after the other ended" and g == 1:
+            refused_late_upload(p, layout, 1, 2, deltas[2])
         if how == "cut short" and g == 1:
             cut_short_upload(p, layout, 1, 2, deltas[2])
         for x in (p, q):

@@ -7,7 +7,8 @@ Three calls (generic handlers, raw bytes, no generated code):
   A stream with a wrong or replayed token, for a round that is not open, or from a group already
   rejected is refused at once; a bad frame rejects the group (all its ranks' frames, here) and
   ends the stream with the reason, and so does a stream the rank withdraws (another aggregator
-  refused it) or that breaks off (the rank died: nothing resends it). Frames are read
+  refused it; an upload whose stream had ended is withdrawn by a stream of the mark alone) or
+  that breaks off (the rank died: nothing resends it). Frames are read
   one at a time as gRPC delivers them (its flow control holds a fast sender back), so memory
   does not follow the sender's pace.
 - ``Download`` (a rank's request): JSON with the rank's token, the element ranges of its shard

@@ -98,9 +98,9 @@ class RankLink:
         """Stream ``pieces`` to their owners; each aggregator's summary. Raises
         :class:`DataPlaneError` when an aggregator refused the stream or could not be reached;
         this rank's streams to the others that are still sending then end with
-        :data:`~.wire.WITHDRAW` (they drop the group's upload too, so the pipelined commit
-        does not wait for it there either; a stream that had already ended, or another rank's,
-        is not withdrawn: if the aggregators then disagree, the commit folds again)."""
+        :data:`~.wire.WITHDRAW`, and those that had already ended are withdrawn by a stream of
+        the mark alone: every aggregator drops the group's upload (all its ranks'), so the
+        pipelined commit does not wait for it anywhere."""
         head = self._ident() | {"weight": weight, "compression": encoder.kind}
         by_owner: dict[int, list[Piece]] = {}
         for piece in pieces:
@@ -134,8 +134,21 @@ class RankLink:
         with futures.ThreadPoolExecutor(max(1, len(self.channels))) as pool:
             summaries = list(pool.map(send, range(len(self.channels))))
         if failed:
+            # a stream that ended before the refusal was known is withdrawn after the fact
+            self._withdraw(head, [o for o, s in enumerate(summaries) if s.get("ok")])
             raise DataPlaneError(failed[0])
         return summaries
+
+    def _withdraw(self, head: dict, owners: list[int]) -> None:
+        """Drop this group's upload at ``owners`` (a stream of the header and the withdraw
+        mark), so the aggregators agree and none waits for the group (best effort: one
+        that cannot be reached, or whose round is over, has nothing to drop)."""
+        for owner in owners:
+            call = self.channels[owner].stream_unary(f"/{wire.SERVICE}/{wire.UPLOAD}")
+            try:
+                call(iter([wire.to_json(head), wire.WITHDRAW]), timeout=60)
+            except _rpc_error():
+                pass
 
     def download(
         self,
