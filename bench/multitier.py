@@ -366,6 +366,7 @@ def make_configs(
     compress_flower: bool = True,
     fsdp: bool = True,
     overlaps: tuple[int, ...] = (),
+    pace: bool = False,
 ) -> list:
     """(name, config) pairs: the baseline over both sites, then one group per site per T.
 
@@ -380,7 +381,8 @@ def make_configs(
     named ``fl-fsdp-<transport> T=4``. Each F of ``overlaps`` adds every collective FL+FSDP
     configuration with the overlapped outer sync in F fragments (F <= T), named
     ``fl-fsdp+ovl T=4`` (F = 1) or ``fl-fsdp+ovl+F4 T=4``; F = 1 also every pipelined
-    streaming one, overlapped (``fl-fsdp-streaming+ovl T=4``).
+    streaming one, overlapped (``fl-fsdp-streaming+ovl T=4``). ``pace`` adds a paced copy of
+    each collective overlapped one (``fl-fsdp+ovl+F2+pace T=4``).
     """
     kinds = ([("fsdp", 1, 1)] if fsdp else []) + ([("hsdp", 2, 2)] if hsdp else [])
     out = []
@@ -432,6 +434,11 @@ def make_configs(
         for name, cfg in list(out)
         if name.startswith("fl-fsdp T=") and f <= cfg.local_steps
     ]
+    out += [
+        (name.replace(" T=", "+pace T="), dataclasses.replace(cfg, outer_pace=True))
+        for name, cfg in list(out)
+        if pace and name.startswith("fl-fsdp+ovl")
+    ]
     out += [  # the streaming transport overlaps whole rounds (no fragments)
         (name.replace(" T=", "+ovl T="), dataclasses.replace(cfg, outer_overlap=True))
         for name, cfg in list(out)
@@ -460,6 +467,7 @@ def variant(name: str) -> dict:
     return {
         "compression": compression,
         "overlap": "ovl" in tags,
+        "paced": "pace" in tags,
         "fragments": fragments,
         "transport": deployed_transport(name) or P.COLLECTIVE,
         "pipelined": STREAMING_SYNC not in name,
@@ -544,10 +552,12 @@ def predicted_speedup(
     fragments: int = 1,
     transport: str = P.COLLECTIVE,
     pipelined: bool = True,
+    paced: bool = False,
 ) -> float:
     """The cost model's speed-up over FSDP for one configuration (:func:`variant`'s terms). A
     streaming run also pays Flower's control plane each round (measured apart by
-    bench/control_plane.py); the collective rows are one torchrun job, without it."""
+    bench/control_plane.py); the collective rows are one torchrun job, without it. Pacing
+    is priced as the overlap it paces: it moves the same bytes within the same window."""
     streaming = transport == P.STREAMING
     net = Network(
         ranks_per_node=k,
@@ -646,6 +656,12 @@ def main() -> None:
         help="comma-separated fragment counts, e.g. 1,4: also run every collective FL+FSDP "
         "configuration with the overlapped outer sync in that many fragments (F <= T)",
     )
+    p.add_argument(
+        "--pace",
+        action="store_true",
+        help="with --overlap: also run each collective overlapped configuration paced "
+        "(--outer-pace: its exchange sent in T pieces, one per inner step)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, one rate, T=4, seconds")
     p.add_argument(
         "--repredict",
@@ -713,6 +729,7 @@ def main() -> None:
                         not args.no_flower_compression,
                         fsdp=not args.hsdp_only,
                         overlaps=tuple(int(f) for f in args.overlap.split(",") if f),
+                        pace=args.pace,
                     )
                     if rep % 2:
                         configs.reverse()

@@ -21,6 +21,7 @@ from flower_shard.config.federation import FederationConfig
 from flower_shard.errors import ConfigError
 from flower_shard.runtime import checkpoint as C
 from flower_shard.runtime import compression as Z
+from flower_shard.runtime.pacing import piece_bounds
 from flower_shard.ux import metrics as M
 
 
@@ -194,6 +195,7 @@ def check_compressed_rule(runs, overlap, kind, compression, chunk):
         ("overlap", "fedavg", "int8"),
         ("blocking", "fedavg", "int8"),
         ("overlap", "nesterov", "bf16"),
+        ("paced", "fedavg", "int8"),
     ],
 )
 def test_compressed_sync_events_follow_the_rule_with_error_feedback(
@@ -204,12 +206,13 @@ def test_compressed_sync_events_follow_the_rule_with_error_feedback(
         tmp_path, corpus_dir, 2, mode, groups=2, nproc_per_group=1, outer=kind,
         compression=compression, compression_chunk=chunk,
     )  # fmt: skip
-    check_compressed_rule(runs, mode == "overlap", kind, compression, chunk)
+    check_compressed_rule(runs, mode != "blocking", kind, compression, chunk)
 
 
-def test_hsdp_stripes_the_overlapped_sync_and_follows_the_rule(tmp_path, corpus_dir):
+@pytest.mark.parametrize("mode", ["overlap", "paced"])
+def test_hsdp_stripes_the_overlapped_sync_and_follows_the_rule(tmp_path, corpus_dir, mode):
     runs = run_events(
-        tmp_path, corpus_dir, 2, "overlap", groups=2, nproc_per_group=4, sharding="hsdp",
+        tmp_path, corpus_dir, 2, mode, groups=2, nproc_per_group=4, sharding="hsdp",
         replicate=2,
     )  # fmt: skip
     check_rule(runs, True, "fedavg")
@@ -222,7 +225,13 @@ def test_hsdp_stripes_the_overlapped_sync_and_follows_the_rule(tmp_path, corpus_
 
 @pytest.mark.parametrize(
     "fragments,mode,kind",
-    [(2, "overlap", "fedavg"), (3, "blocking", "fedavg"), (2, "overlap", "nesterov")],
+    [
+        (2, "overlap", "fedavg"),
+        (3, "blocking", "fedavg"),
+        (2, "overlap", "nesterov"),
+        (2, "paced", "fedavg"),
+        (1, "paced", "nesterov"),
+    ],
 )
 def test_every_sync_event_follows_the_rule_on_full_tensors(
     tmp_path, corpus_dir, fragments, mode, kind
@@ -230,7 +239,25 @@ def test_every_sync_event_follows_the_rule_on_full_tensors(
     runs = run_events(
         tmp_path, corpus_dir, fragments, mode, groups=2, nproc_per_group=1, outer=kind
     )
-    check_rule(runs, mode == "overlap", kind)
+    check_rule(runs, mode != "blocking", kind)
+    check_pacing(runs, fragments, mode == "paced")
+
+
+def check_pacing(runs, fragments, paced, steps=4):
+    """Paced, an exchange sent after step s has T - 1 - (t - s) pieces left after step t
+    (one more goes out per step) until the fragment's next sync takes it; unpaced, none."""
+    due = [max(1, (f + 1) * steps // fragments) for f in range(fragments)]
+    for run in runs:
+        expected = []
+        for t in range(len(run["unsent"])):  # t: global step index, 0-based
+            left = 0
+            for d in due:
+                sent = [r * steps + d - 1 for r in range(t // steps + 1) if r * steps + d - 1 <= t]
+                if sent and paced:
+                    left += max(0, steps - 1 - (t - sent[-1]))
+            expected.append(left)
+        assert run["unsent"] == expected, (run["unsent"], expected)
+        assert not paced or max(expected) > 0  # something was held back
 
 
 RUN = (
@@ -268,6 +295,7 @@ def test_an_overlapped_run_resumes_bit_exactly(tmp_path):
         (dict(outer_fragments=2, sync_optimizer_state=True), "drop --sync-optimizer-state"),
         (dict(outer_fragments=2, adaptive_t=True), "drop --adaptive-t"),
         (dict(outer_fragments=0), "--outer-fragments must be a positive integer"),
+        (dict(outer_pace=True, outer_fragments=2), "--outer-pace spreads an overlapped sync"),
     ],
 )
 def test_settings_it_does_not_cover_fail_in_one_line(overrides, words):
@@ -280,6 +308,7 @@ def test_settings_it_does_not_cover_fail_in_one_line(overrides, words):
     "config,words",
     [
         ({"outer-fragments": 2, "transport": "streaming"}, "not through Flower"),
+        ({"outer-pace": True, "outer-overlap": True, "transport": "streaming"}, "outer-pace runs"),
         ({"outer-overlap": True}, "set transport = 'streaming'"),
         ({"outer-overlap": True, "transport": "collective"}, "not on 'collective'"),
         (
@@ -304,3 +333,12 @@ def test_a_streaming_run_config_with_overlap_is_accepted():
     streaming = {"transport": "streaming", "dataplane-insecure": True}
     fed = FederationConfig.from_run_config({"outer-overlap": True} | streaming)
     assert fed.train.outer_overlap and fed.group_config()["outer-overlap"] is True
+
+
+@pytest.mark.parametrize("total,pieces", [(10, 4), (3, 8), (1, 1), (4097, 7), (8, 8)])
+def test_pieces_cover_the_buffer_once_in_order_and_about_equally(total, pieces):
+    bounds = piece_bounds(total, pieces)
+    assert len(bounds) == min(pieces, total)
+    assert [a for a, _ in bounds] == [0] + [b for _, b in bounds[:-1]] and bounds[-1][1] == total
+    sizes = [b - a for a, b in bounds]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1

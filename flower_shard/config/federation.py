@@ -179,14 +179,15 @@ class FederationConfig:
         )
 
     def _validate_overlap(self) -> None:
-        """outer-fragments and outer-overlap through Flower: overlap on the streaming
-        transport only (:mod:`flower_shard.flower.group.overlap`)."""
+        """outer-fragments, outer-pace and outer-overlap through Flower: overlap on the
+        streaming transport only (:mod:`flower_shard.flower.group.overlap`)."""
         t = self.train
-        if t.outer_fragments > 1:
-            raise ConfigError(
-                "outer-fragments runs in the one-job driver (`flower-shard train`), not through "
-                "Flower: drop it from the run config"
-            )
+        for key, used in (("outer-fragments", t.outer_fragments > 1), ("outer-pace", t.outer_pace)):
+            if used:
+                raise ConfigError(
+                    f"{key} runs in the one-job driver (`flower-shard train`), not through "
+                    "Flower: drop it from the run config"
+                )
         if not t.outer_overlap:
             return
         refused = [

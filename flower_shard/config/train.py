@@ -84,6 +84,11 @@ class TrainConfig:
     runs as --outer-fragments; through Flower on the streaming transport (its update crosses
     while the group trains the next round: flower_shard/flower/group/overlap.py). Every
     checkpoint and the run's end wait for the syncs in flight."""
+    outer_pace: bool = False
+    """With --outer-overlap: send each sync in T pieces, one after each inner step, instead of
+    all at once, so the slow link's peak rate falls from its full rate toward the round's
+    average (the result is the same). One-job collective runs
+    (flower_shard/runtime/pacing.py)."""
     model: str = "tiny"
     """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
     directory: config.json alone (built from it, initialised from the seed) or with safetensors
@@ -216,6 +221,10 @@ class TrainConfig:
 
     def _validate_streaming_sync(self) -> None:
         """--outer-fragments and --outer-overlap with what they do not cover yet."""
+        if self.outer_pace and not self.outer_overlap:
+            raise ConfigError(
+                "--outer-pace spreads an overlapped sync over the round: add --outer-overlap"
+            )
         if self.outer_fragments == 1 and not self.outer_overlap:
             return
         options = "--outer-fragments/--outer-overlap"

@@ -20,6 +20,7 @@ from flower_shard.config.choices import FEDAVG, NESTEROV, NO_COMPRESSION
 from flower_shard.runtime import compression as Z
 from flower_shard.runtime.cross_group import wait_or_abandon
 from flower_shard.runtime.outer_optimizer import OuterOptimizer, pseudo_gradient
+from flower_shard.runtime.pacing import PacedCollective
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -264,10 +265,11 @@ class StripedAllreduce:
     Replica ``r`` of ``replicate_pg`` all-reduces only the r-th 1/R stripe of ``flat``
     (zero-padded to equal stripes) across groups; :meth:`finish` waits for it and all-gathers
     the summed stripes from the other replicas over the fast intra-group tier. ``flat`` is not
-    modified (an overlapped sync keeps it as the base of its rebase).
+    modified (an overlapped sync keeps it as the base of its rebase). ``pieces`` > 1 paces the
+    cross-group all-reduce (:mod:`.pacing`: :attr:`paced` sends the stripe piece by piece).
     """
 
-    def __init__(self, pg, replicate_pg, flat: torch.Tensor):
+    def __init__(self, pg, replicate_pg, flat: torch.Tensor, pieces: int = 1):
         self.replicate_pg = replicate_pg
         self.numel = flat.numel()
         r, replicas = replicate_pg.rank(), replicate_pg.size()
@@ -276,22 +278,14 @@ class StripedAllreduce:
         self.padded[: flat.numel()] = flat
         self.mine = self.padded[r * self.stripe : (r + 1) * self.stripe].clone()
         self.replicate_bytes = (replicas - 1) * self.stripe * flat.element_size()
-        self.work, self.failed = None, None
-        try:
-            self.work = pg.allreduce([self.mine])
-        except Exception as exc:  # noqa: BLE001 - raised by finish, after the all-gather
-            self.failed = exc
+        mine = self.mine
+        self.paced = PacedCollective(lambda a, b: pg.allreduce([mine[a:b]]), mine.numel(), pieces)
 
     def finish(self, wait) -> torch.Tensor:
         """The groups' sum of ``flat`` (a new tensor); ``wait`` waits for the cross-group work.
         A failed all-reduce raises here, after this replica joined the all-gather: the other
         replicas would hang in it otherwise."""
-        failed = self.failed
-        try:
-            if failed is None:
-                wait(self.work)
-        except Exception as exc:  # noqa: BLE001 - re-raised below
-            failed = exc
+        failed = self.paced.finish(wait)
         self.replicate_pg.allgather([list(self.padded.split(self.stripe))], [self.mine]).wait()
         if failed is not None:
             raise failed

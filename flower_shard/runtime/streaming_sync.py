@@ -8,8 +8,9 @@ spread that cost and hide it behind the next steps:
 are cut into F fragments of consecutive whole parameters with about equal numbers of values
 (the cut is made from the full shapes, so every rank of every group makes the same one).
 Fragment f syncs after inner step ``(f + 1) * T // F`` of each round, so each sync moves 1/F
-of the model and the peak load on the link drops F-fold; the last fragment syncs at the end of
-the round. Every fragment still syncs once per round, with the same outer optimizer.
+of the model (each burst on the link is F-fold shorter; its rate is still the link's unless
+paced, below); the last fragment syncs at the end of the round. Every fragment still syncs
+once per round, with the same outer optimizer.
 
 **Overlap** (one sync of delay: Streaming DiLoCo's overlapped communication with mixing
 alpha = 0, and the delayed outer gradients of Kale et al. 2025, arXiv 2502.12996): at a
@@ -27,6 +28,11 @@ minus ``x`` is the mean progress of one round, the pseudo-gradient of synchronou
 the outer optimizer (fedavg or nesterov) steps as it does there. With one group and fedavg,
 ``x == sent`` exactly, the correction is exactly zero and the run is bit for bit training with
 no outer sync at all.
+
+**Pacing** (with overlap; :mod:`.pacing`): a fragment's exchange goes out in T pieces, the
+first at its sync point and one more after each inner step, so the slow link carries about
+M / T per step instead of each fragment at once, and its peak rate falls toward the round's
+average. The values are the same (a piece of a sum is the sum of the piece).
 
 **Draining**: at the end of the run, and before each checkpoint and the evaluation of the last
 round, every fragment's pending result is applied and one synchronous sync follows, so all
@@ -73,6 +79,7 @@ from flower_shard.runtime.outer_sync import (
     _unflatten_into,
     local_view,
 )
+from flower_shard.runtime.pacing import PacedCollective
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class _InFlight:
     """The fragment's weights as sent (the base of the rebase)."""
     finish: Callable[[], torch.Tensor]
     """Waits for the exchange; returns the fragment's new global weights."""
+    paced: PacedCollective
+    """The exchange's pieces (:mod:`.pacing`)."""
 
 
 class StreamingSync:
@@ -149,14 +158,25 @@ class StreamingSync:
         F: the number of fragments.
     overlap
         Send and go on; apply the result one round later.
+    pace
+        With ``overlap``: cut each exchange into T pieces, the first sent at the sync point and
+        one more after each inner step (:mod:`.pacing`), instead of sending it whole.
     """
 
     def __init__(
-        self, sync: OuterSync, model: nn.Module, fragments: int = 1, overlap: bool = False
+        self,
+        sync: OuterSync,
+        model: nn.Module,
+        fragments: int = 1,
+        overlap: bool = False,
+        pace: bool = False,
     ):
         if sync.sync_optimizer_state:
             raise ValueError("a fragmented or overlapped sync moves weights, not AdamW's moments")
-        self.sync, self.overlap = sync, overlap
+        if pace and not overlap:
+            raise ValueError("pacing spreads an overlapped sync over the round: set overlap")
+        self.sync, self.overlap, self.pace = sync, overlap, pace
+        self._steps = 1  # the round's length, known at its first step
         self.fragments = plan_fragments(model, fragments)
         self._in_flight: dict[int, _InFlight] = {}
         self._synced: set[int] = set()
@@ -171,7 +191,11 @@ class StreamingSync:
         return max(1, (fragment.index + 1) * steps // len(self.fragments))
 
     def after_step(self, done: int, steps: int) -> None:
-        """After inner step ``done`` of a round of ``steps``: sync the fragments due by now."""
+        """After inner step ``done`` of a round of ``steps``: send the next piece of each paced
+        exchange, then sync the fragments due by now."""
+        self._steps = steps
+        for flight in self._in_flight.values():
+            flight.paced.advance()
         for fragment in self.fragments:
             if fragment.index not in self._synced and done >= self.due(fragment, steps):
                 self._sync(fragment)
@@ -199,6 +223,10 @@ class StreamingSync:
         stats.seconds = time.perf_counter() - start
         return stats
 
+    def unsent_pieces(self) -> int:
+        """Pieces of the exchanges in flight not sent yet (0 unless paced)."""
+        return sum(f.paced.left for f in self._in_flight.values())
+
     def _sync(self, fragment: Fragment) -> None:
         self._synced.add(fragment.index)
         start = time.perf_counter()
@@ -225,12 +253,14 @@ class StreamingSync:
             self._count(stats.payload_bytes, stats.sent_bytes, stats.replicate_bytes)
             return
         params = self._params(fragment)
-        _unflatten_into(self._start(fragment, _flatten(params))(), params)
+        finish, _ = self._start(fragment, _flatten(params), pieces=1)
+        _unflatten_into(finish(), params)
 
     @torch.no_grad()
     def _send(self, fragment: Fragment) -> None:
         sent = _flatten(self._params(fragment))
-        self._in_flight[fragment.index] = _InFlight(sent, self._start(fragment, sent))
+        pieces = self._steps if self.pace else 1
+        self._in_flight[fragment.index] = _InFlight(sent, *self._start(fragment, sent, pieces))
 
     @torch.no_grad()
     def _receive(self, fragment: Fragment) -> None:
@@ -242,49 +272,63 @@ class StreamingSync:
             p.add_((x[offset : offset + n] - flight.sent[offset : offset + n]).view_as(p))
             offset += n
 
-    def _start(self, fragment: Fragment, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def _start(self, fragment: Fragment, flat: torch.Tensor, pieces: int) -> tuple:
         """Start the exchange of ``flat`` (the fragment's weights; not modified) in the
-        background; the returned call waits for it and returns the new global weights."""
+        background, in ``pieces``: ``(finish, paced)``; ``finish()`` waits for it and
+        returns the new global weights, ``paced`` sends the rest piece by piece."""
         sync, g = self.sync, self.groups
         width = flat.element_size()
         if sync.feedback is not None:
-            return self._start_compressed(fragment, flat)
+            return self._start_compressed(fragment, flat, pieces)
         if sync.replicate_pg is not None:
-            striped = StripedAllreduce(sync.group_pg, sync.replicate_pg, flat)
+            striped = StripedAllreduce(sync.group_pg, sync.replicate_pg, flat, pieces)
             sent = 2 * (g - 1) * striped.stripe * width // g
             self._count(flat.numel() * width, sent, striped.replicate_bytes)
-            return lambda: self._outer_step(fragment, striped.finish(sync.wait).div_(g))
+            return (
+                lambda: self._outer_step(fragment, striped.finish(sync.wait).div_(g)),
+                striped.paced,
+            )
         reduced = flat.clone()
-        work = sync.group_pg.allreduce([reduced])  # SUM
+        paced = PacedCollective(  # SUM
+            lambda a, b: sync.group_pg.allreduce([reduced[a:b]]), reduced.numel(), pieces
+        )
         self._count(flat.numel() * width, 2 * (g - 1) * flat.numel() * width // g)
 
         def finish() -> torch.Tensor:
-            sync.wait(work)
+            _raise(paced.finish(sync.wait))
             return self._outer_step(fragment, reduced.div_(g))
 
-        return finish
+        return finish, paced
 
-    def _start_compressed(
-        self, fragment: Fragment, flat: torch.Tensor
-    ) -> Callable[[], torch.Tensor]:
+    def _start_compressed(self, fragment: Fragment, flat: torch.Tensor, pieces: int) -> tuple:
         """The pseudo-gradient against the fragment's last global weights, compressed with the
-        fragment's slice of the residual, all-gathered (not striped, as the sync's)."""
+        fragment's slice of the residual, all-gathered (not striped, as the sync's); paced
+        by ranges of the payload's bytes."""
         sync, g = self.sync, self.groups
         start, stop = fragment.start, fragment.stop
         delta = pseudo_gradient(sync.outer.weights.detach()[start:stop], flat)
         mine = Z.to_bytes(sync.feedback.compress(delta, start))
         gathered = [torch.empty_like(mine) for _ in range(g)]
-        work = sync.group_pg.allgather([gathered], [mine])
+        paced = PacedCollective(
+            lambda a, b: sync.group_pg.allgather([[x[a:b] for x in gathered]], [mine[a:b]]),
+            mine.numel(),
+            pieces,
+        )
         self._count(mine.numel(), (g - 1) * mine.numel())
 
         def finish() -> torch.Tensor:
-            sync.wait(work)
+            _raise(paced.finish(sync.wait))
             mean = Z.mean_of(gathered, sync.compression, flat.numel(), sync.chunk)
             return sync.outer.apply_part(mean, start, stop)
 
-        return finish
+        return finish, paced
 
     def _outer_step(self, fragment: Fragment, mean: torch.Tensor) -> torch.Tensor:
         if len(self.fragments) == 1:
             return self.sync.outer.step(mean)
         return self.sync.outer.step_part(mean, fragment.start, fragment.stop)
+
+
+def _raise(failed: Exception | None) -> None:
+    if failed is not None:
+        raise failed

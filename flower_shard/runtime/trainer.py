@@ -78,7 +78,11 @@ class JobTrainer:
         self.streaming = None
         if self.trainer.outer is not None and (cfg.outer_fragments > 1 or cfg.outer_overlap):
             self.streaming = StreamingSync(
-                self.trainer.outer, self.trainer.model, cfg.outer_fragments, cfg.outer_overlap
+                self.trainer.outer,
+                self.trainer.model,
+                cfg.outer_fragments,
+                cfg.outer_overlap,
+                cfg.outer_pace,
             )
         self.adaptive = None
         if cfg.adaptive_t and self.trainer.outer is not None:

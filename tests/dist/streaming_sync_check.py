@@ -32,9 +32,11 @@ if pg is None:  # G = 1: every rank syncs with itself alone
 sync = build_outer_sync(
     cfg, trainer.model, trainer.optimizer, group_pg=pg, replicate_pg=place.replicate_pg()
 )
-streaming = StreamingSync(sync, trainer.model, int(fragments), overlap=mode == "overlap")
+streaming = StreamingSync(
+    sync, trainer.model, int(fragments), overlap=mode != "blocking", pace=mode == "paced"
+)
 T = cfg.local_steps
-events = []
+events, unsent = [], []
 init = full_state(trainer.model)
 
 
@@ -42,6 +44,7 @@ def between(done: int) -> None:
     due = [f for f in streaming.fragments if streaming.due(f, T) == done]
     before = full_state(trainer.model) if due else None
     streaming.after_step(done, T)
+    unsent.append(streaming.unsent_pieces())
     if due:
         after = full_state(trainer.model)
         for f in due:
@@ -60,6 +63,7 @@ events.append(dict(round=cfg.rounds, fragment=None, before=before, after=full_st
 result = {
     "init": init,
     "events": events,
+    "unsent": unsent,
     "fragments": [f.names for f in streaming.fragments],
     "stats": [(s.payload_bytes, s.sent_bytes, s.replicate_bytes) for s in stats],
 }
