@@ -90,6 +90,24 @@ def test_exchange_buffers_of_each_transport_by_hand():
     assert estimate(TOY, moments, shard=2, groups=2).exchange == 3 * 4 * n
 
 
+def test_a_streaming_rank_keeps_its_exchange_state_in_host_memory_by_hand():
+    n = 676  # P / S with S = 2
+    # The outer optimizer runs on the aggregators: nesterov keeps nothing on the rank's GPU,
+    # and the push and pull move one piece at a time. The host holds the view (4n), int8's
+    # residual (4n) and the overlapped round's snapshot (4n).
+    setup = StepSetup(batch_size=2, seq_len=3, outer="nesterov", compression="int8")
+    collective = estimate(TOY, setup, shard=2, groups=2, overlap=True)
+    m = estimate(TOY, setup, shard=2, groups=2, overlap=True, transport="streaming")
+    assert (m.outer_state, m.exchange, m.host) == (0, 0, 3 * 4 * n)
+    assert m.peak == collective.peak - collective.outer_state  # forward-backward is the peak
+    plain = StepSetup(batch_size=2, seq_len=3)  # float32, synchronous: the view alone
+    assert estimate(TOY, plain, shard=2, groups=2, transport="streaming").host == 4 * n
+    no_feedback = StepSetup(batch_size=2, seq_len=3, compression="bf16", error_feedback=False)
+    assert estimate(TOY, no_feedback, shard=2, groups=2, transport="streaming").host == 4 * n
+    assert estimate(TOY, plain, shard=2, groups=1, transport="streaming").host == 0  # no sync
+    assert collective.host == 0
+
+
 def _saved_bytes(model, batch: int, seq: int, vocab: int) -> int:
     """Bytes of the distinct storages autograd saves in a forward and the loss, parameters
     excluded (the activations of the memory model)."""

@@ -112,6 +112,10 @@ def test_the_streaming_transport_is_priced_through_the_aggregators_with_flowers_
     assert "streaming transport (0.78 s of control a round)" in out.splitlines()[0]
     line = next(x for x in out.splitlines() if x.startswith("recommended:"))
     assert " streaming" in line and "--outer-overlap" not in line
+    # Its ranks keep no outer optimizer on the GPU: the view (and the snapshot) is host memory.
+    assert ovl.memory.outer_state == 0 and ovl.memory.host == 2 * 4 * w.params / 128
+    assert ovl.memory.peak < find(collective, "fsdp", 4, 8, overlap=True).memory.peak
+    assert f"(+ {ovl.memory.host / 1e9:.1f} GB of host memory per rank)" in line
     # An explicit overhead replaces the default.
     args = plan_args(*four_sites, "--transport", "streaming", "--round-overhead-s", "0")
     assert workload_and_network(args, 1000)[1].round_overhead_s == 0.0

@@ -31,10 +31,18 @@ Then the largest of three phases, which never overlap:
   backward to ``zero_grad(set_to_none=True)``, never next to the activations) and, with
   PyTorch's multi-tensor (foreach) AdamW, the GPU default, one more ``4P/S`` temporary
   (``sqrt(exp_avg_sq)`` of every tensor at once);
-- the outer sync (G > 1, the collective transport the cost model prices): the flat float32
+- the outer sync (G > 1, the collective transport): the flat float32
   buffer of the rank's shard ``4n`` (n = P/S, 3P/S with the AdamW moments synced), HSDP's
   striped copy ``4n (1 + 1/R)``, nesterov's pseudo-gradient ``4P/S``; compressed (an all-gather
-  of payloads): four float32 temporaries of ``4P/S`` and ``G + 1`` payloads.
+  of payloads): four float32 temporaries of ``4P/S`` and ``G + 1`` payloads. Pacing
+  (``--outer-pace``) sends pieces of the same buffers: nothing more.
+
+The streaming transport (:mod:`flower_shard.dataplane.rank`) keeps none of that on the GPU: the
+outer optimizer runs on the aggregators, and a rank's exchange state is host memory
+(``host``, not in the GPU's peak): its view of the global model ``4P/S`` (every HSDP replica
+has one), the error-feedback residual ``4P/S`` when compressed (replica 0), and the overlapped
+round's snapshot ``4P/S``. The pull and the push move one piece (one parameter's shard) at a
+time between host and GPU; that transient is left out.
 
 Activations (:func:`layer_activation_bytes`) are the tensors autograd saves, counted on
 ``transformers``' ``LlamaDecoderLayer`` with SDPA attention (q, k, v, the output and the
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flower_shard import protocol as P
 from flower_shard.config import choices as C
 
 GB = 1e9
@@ -157,6 +166,9 @@ class MemoryEstimate:
     exchange: float
     reserved: float = 0.0
     """Kept free for the CUDA context, NCCL's buffers and the allocator's fragmentation."""
+    host: float = 0.0
+    """Host memory (CPU RAM) of the rank's exchange state, not on the GPU: the streaming
+    transport's view, residual and snapshot."""
 
     @property
     def persistent(self) -> float:
@@ -248,20 +260,29 @@ def estimate(
     replicate: int = 1,
     reserved: float = 0.0,
     overlap: bool = False,
+    transport: str = P.COLLECTIVE,
 ) -> MemoryEstimate:
     """The memory of one rank that shards the model over ``shard`` ranks, in a run of
     ``groups`` groups whose HSDP replicate degree is ``replicate`` (``overlap``: the outer sync
-    overlapped with the next round)."""
+    overlapped with the next round) exchanging over ``transport`` (collective or streaming)."""
     n, a = m.params / shard, s.act_bytes
+    streaming = transport == P.STREAMING and groups > 1
+    host = 0.0
+    if streaming:
+        compressed = s.compression != C.NO_COMPRESSION
+        host = 4.0 * n * (1 + (compressed and s.error_feedback) + overlap)
     return MemoryEstimate(
         weights=4.0 * n,
         adamw=8.0 * n,
-        outer_state=outer_state_bytes(m, s, shard, groups, overlap, replicate),
+        outer_state=0.0
+        if streaming
+        else outer_state_bytes(m, s, shard, groups, overlap, replicate),
         activations=activation_bytes(m, s),
         logits=8.0 * s.tokens * m.vocab,
         gathered=a * (m.root_params + 2 * m.layer_params + m.vocab * m.hidden),
         gradients=4.0 * n,
         optimizer_temp=4.0 * n if s.foreach else 0.0,
-        exchange=exchange_bytes(m, s, shard, groups, replicate),
+        exchange=0.0 if streaming else exchange_bytes(m, s, shard, groups, replicate),
         reserved=reserved,
+        host=host,
     )

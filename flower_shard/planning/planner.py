@@ -54,6 +54,7 @@ class MemoryBudget:
             lay.replicate,
             self.reserved,
             lay.outer_overlap,
+            lay.transport,
         )
 
 
@@ -195,11 +196,16 @@ def summary_lines(cands: list[Candidate], gpu_gb: float) -> list[str]:
     p = best.prediction
     lines.append(
         f"recommended: {describe(best)}: {p.tokens_per_s:,.0f} tokens/s, {best.speedup:.2f}x "
-        f"over {describe(base)}, {best.memory.peak / GB:.1f} GB/GPU, communication "
+        f"over {describe(base)}, {best.memory.peak / GB:.1f} GB/GPU{_host(best)}, communication "
         f"{100 * p.comm_share:.0f}% of a step, inter-group {100 * p.inter_byte_share:.2f}% of "
         "the bytes"
     )
     return lines
+
+
+def _host(c: Candidate) -> str:
+    """The host memory a rank's exchange keeps (the streaming transport's view), if any."""
+    return f" (+ {c.memory.host / GB:.1f} GB of host memory per rank)" if c.memory.host else ""
 
 
 def plan_from_args(args: argparse.Namespace) -> int:
