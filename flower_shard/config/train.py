@@ -85,10 +85,10 @@ class TrainConfig:
     while the group trains the next round: flower_shard/flower/group/overlap.py). Every
     checkpoint and the run's end wait for the syncs in flight."""
     outer_pace: bool = False
-    """With --outer-overlap: send each sync in T pieces, one after each inner step, instead of
-    all at once, so the slow link's peak rate falls from its full rate toward the round's
-    average (the result is the same). One-job collective runs
-    (flower_shard/runtime/pacing.py)."""
+    """With --outer-overlap: send each sync in pieces spread evenly over the time until the next
+    fragment's sync point (a background thread, from the measured step time), instead of all
+    at once, so the slow link's peak rate falls from its full rate toward the round's average
+    (the result is the same). One-job collective runs (flower_shard/runtime/pacing.py)."""
     model: str = "tiny"
     """Model preset (`tiny`, `small`, `base`, `llama3.1-8b`), or a local transformers causal-LM
     directory: config.json alone (built from it, initialised from the seed) or with safetensors

@@ -4,7 +4,9 @@ Each site is a network namespace with its own loopback (the fast tier: ranks of 
 over it). The sites are joined by veth pairs to a bridge in the root namespace, and each site's
 veth sends through a ``tc tbf`` rate limiter (the slow, inter-site tier; netem is not
 available here, tbf is). Traffic stays inside namespaces this object made; it removes them on
-exit, on Ctrl-C and at interpreter exit, also when the caller fails.
+exit, on Ctrl-C, on SIGTERM (entered from the main thread, where SIGTERM was not handled
+yet: it then raises SystemExit, so the caller's context managers run too) and at interpreter
+exit, also when the caller fails.
 
 Counters: :meth:`site_bytes` reads, per site, the bytes it sent to other sites (its veth) and
 the bytes its ranks sent each other (its loopback).
@@ -19,8 +21,10 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +53,10 @@ def available() -> bool:
     return ok
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _sh(*cmd: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -74,6 +82,9 @@ class EmulatedNetwork:
 
     def __enter__(self) -> EmulatedNetwork:
         atexit.register(self.close)
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)  # else a kill leaves the namespaces
         try:
             self._create()
         except BaseException:

@@ -265,11 +265,13 @@ class StripedAllreduce:
     Replica ``r`` of ``replicate_pg`` all-reduces only the r-th 1/R stripe of ``flat``
     (zero-padded to equal stripes) across groups; :meth:`finish` waits for it and all-gathers
     the summed stripes from the other replicas over the fast intra-group tier. ``flat`` is not
-    modified (an overlapped sync keeps it as the base of its rebase). ``pieces`` > 1 paces the
-    cross-group all-reduce (:mod:`.pacing`: :attr:`paced` sends the stripe piece by piece).
+    modified (an overlapped sync keeps it as the base of its rebase). ``pacer`` paces the
+    cross-group all-reduce (:mod:`.pacing`: the stripe in ``pieces`` over ``window_s``).
     """
 
-    def __init__(self, pg, replicate_pg, flat: torch.Tensor, pieces: int = 1):
+    def __init__(
+        self, pg, replicate_pg, flat: torch.Tensor, pieces: int = 1, pacer=None, window_s=0.0
+    ):
         self.replicate_pg = replicate_pg
         self.numel = flat.numel()
         r, replicas = replicate_pg.rank(), replicate_pg.size()
@@ -279,7 +281,9 @@ class StripedAllreduce:
         self.mine = self.padded[r * self.stripe : (r + 1) * self.stripe].clone()
         self.replicate_bytes = (replicas - 1) * self.stripe * flat.element_size()
         mine = self.mine
-        self.paced = PacedCollective(lambda a, b: pg.allreduce([mine[a:b]]), mine.numel(), pieces)
+        self.paced = PacedCollective(
+            lambda a, b: pg.allreduce([mine[a:b]]), mine.numel(), pieces, pacer, window_s
+        )
 
     def finish(self, wait) -> torch.Tensor:
         """The groups' sum of ``flat`` (a new tensor); ``wait`` waits for the cross-group work.

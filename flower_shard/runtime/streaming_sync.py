@@ -29,10 +29,14 @@ the outer optimizer (fedavg or nesterov) steps as it does there. With one group 
 ``x == sent`` exactly, the correction is exactly zero and the run is bit for bit training with
 no outer sync at all.
 
-**Pacing** (with overlap; :mod:`.pacing`): a fragment's exchange goes out in T pieces, the
-first at its sync point and one more after each inner step, so the slow link carries about
-M / T per step instead of each fragment at once, and its peak rate falls toward the round's
-average. The values are the same (a piece of a sum is the sum of the piece).
+**Pacing** (with overlap; :mod:`.pacing`): a fragment's exchange goes out in pieces that a
+background thread issues evenly over the time until the next fragment's sync point (from the
+measured step time, with a margin), so the slow link carries each fragment over its own slice
+of the round instead of at once, and its peak rate falls toward the round's average. The
+thread has a process group of its own: on a group shared with the main thread's collectives
+its pieces would interleave with them in another order on each rank. The values are the same
+(a piece of a sum is the sum of the piece). Until a step time is known (the run's first
+sync), the exchange goes out whole.
 
 **Draining**: at the end of the run, and before each checkpoint and the evaluation of the last
 round, every fragment's pending result is applied and one synchronous sync follows, so all
@@ -79,7 +83,7 @@ from flower_shard.runtime.outer_sync import (
     _unflatten_into,
     local_view,
 )
-from flower_shard.runtime.pacing import PacedCollective
+from flower_shard.runtime.pacing import PacedCollective, Pacer
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,35 @@ def plan_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
     ]
 
 
+def own_group(pg):
+    """A new process group of ``pg``'s ranks and backend, for one thread's collectives.
+
+    Every rank of the world calls it at the same point (``new_group`` is collective over the
+    world): the ranks' groups are gathered and each distinct one is made, in one order.
+    """
+    import torch.distributed as dist
+
+    mine = dist.get_process_group_ranks(pg)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    groups = sorted({tuple(r) for r in every})
+    made = {g: dist.new_group(list(g), backend=dist.get_backend(pg)) for g in groups}
+    return made[tuple(mine)]
+
+
+def due_step(index: int, fragments: int, steps: int) -> int:
+    """The inner step of a round of ``steps`` after which fragment ``index`` of ``fragments``
+    syncs."""
+    return max(1, (index + 1) * steps // fragments)
+
+
+def window_steps(index: int, fragments: int, steps: int) -> int:
+    """The inner steps from fragment ``index``'s sync point to the next fragment's (the first
+    fragment's in the next round, for the last): the window its paced exchange gets."""
+    gap = due_step((index + 1) % fragments, fragments, steps) - due_step(index, fragments, steps)
+    return gap if gap > 0 else gap + steps
+
+
 @dataclass
 class _InFlight:
     sent: torch.Tensor
@@ -159,9 +192,14 @@ class StreamingSync:
     overlap
         Send and go on; apply the result one round later.
     pace
-        With ``overlap``: cut each exchange into T pieces, the first sent at the sync point and
-        one more after each inner step (:mod:`.pacing`), instead of sending it whole.
+        With ``overlap``: spread each exchange over the time until the next fragment's sync
+        point (:mod:`.pacing`) instead of sending it whole. :meth:`close` stops its thread.
     """
+
+    PIECES_PER_STEP = 8
+    """How finely a paced exchange is cut: pieces per step of its window."""
+    PACE_MARGIN = 0.8
+    """The share of the window the pieces are spread over (the last must land in time)."""
 
     def __init__(
         self,
@@ -175,8 +213,11 @@ class StreamingSync:
             raise ValueError("a fragmented or overlapped sync moves weights, not AdamW's moments")
         if pace and not overlap:
             raise ValueError("pacing spreads an overlapped sync over the round: set overlap")
-        self.sync, self.overlap, self.pace = sync, overlap, pace
-        self._steps = 1  # the round's length, known at its first step
+        self.sync, self.overlap = sync, overlap
+        self.pacer = Pacer() if pace else None
+        self._paced_pg = own_group(sync.group_pg) if pace else None
+        self._step_s: float | None = None  # measured between steps (pacing's windows)
+        self._last_step: float | None = None
         self.fragments = plan_fragments(model, fragments)
         self._in_flight: dict[int, _InFlight] = {}
         self._synced: set[int] = set()
@@ -188,25 +229,37 @@ class StreamingSync:
 
     def due(self, fragment: Fragment, steps: int) -> int:
         """The inner step of a round of ``steps`` after which ``fragment`` syncs."""
-        return max(1, (fragment.index + 1) * steps // len(self.fragments))
+        return due_step(fragment.index, len(self.fragments), steps)
 
     def after_step(self, done: int, steps: int) -> None:
-        """After inner step ``done`` of a round of ``steps``: send the next piece of each paced
-        exchange, then sync the fragments due by now."""
-        self._steps = steps
-        for flight in self._in_flight.values():
-            flight.paced.advance()
+        """After inner step ``done`` of a round of ``steps``: sync the fragments due by now."""
+        now = time.perf_counter()
+        if self._last_step is not None:  # a step's time (smoothed), not one across rounds
+            last = now - self._last_step
+            self._step_s = last if self._step_s is None else 0.5 * (self._step_s + last)
         for fragment in self.fragments:
             if fragment.index not in self._synced and done >= self.due(fragment, steps):
-                self._sync(fragment)
+                self._sync(fragment, steps)
+        self._last_step = time.perf_counter()
+
+    def _pg(self, pace: dict):
+        """The process group an exchange runs on: the pacer's own when paced (its thread must
+        not interleave with the main thread's collectives on a shared group)."""
+        return self._paced_pg if pace.get("pacer") is not None else self.sync.group_pg
+
+    def close(self) -> None:
+        """Stop the pacer's thread (after :meth:`drain`: nothing is held)."""
+        if self.pacer is not None:
+            self.pacer.close()
 
     def end_round(self) -> SyncStats:
         """Sync the fragments not reached (a round that ended early); the round's statistics:
         the seconds the steps were held up and the bytes this rank sent."""
         for fragment in self.fragments:
             if fragment.index not in self._synced:
-                self._sync(fragment)
+                self._sync(fragment, 1)
         self._synced.clear()
+        self._last_step = None
         stats, self._stats = self._stats, SyncStats(0.0, 0, 0)
         return stats
 
@@ -227,7 +280,7 @@ class StreamingSync:
         """Pieces of the exchanges in flight not sent yet (0 unless paced)."""
         return sum(f.paced.left for f in self._in_flight.values())
 
-    def _sync(self, fragment: Fragment) -> None:
+    def _sync(self, fragment: Fragment, steps: int) -> None:
         self._synced.add(fragment.index)
         start = time.perf_counter()
         if not self.overlap:
@@ -235,7 +288,7 @@ class StreamingSync:
         else:
             if fragment.index in self._in_flight:
                 self._receive(fragment)
-            self._send(fragment)
+            self._send(fragment, steps)
         self._stats.seconds += time.perf_counter() - start
 
     def _params(self, fragment: Fragment) -> list[torch.Tensor]:
@@ -253,14 +306,18 @@ class StreamingSync:
             self._count(stats.payload_bytes, stats.sent_bytes, stats.replicate_bytes)
             return
         params = self._params(fragment)
-        finish, _ = self._start(fragment, _flatten(params), pieces=1)
+        finish, _ = self._start(fragment, _flatten(params))
         _unflatten_into(finish(), params)
 
     @torch.no_grad()
-    def _send(self, fragment: Fragment) -> None:
+    def _send(self, fragment: Fragment, steps: int) -> None:
         sent = _flatten(self._params(fragment))
-        pieces = self._steps if self.pace else 1
-        self._in_flight[fragment.index] = _InFlight(sent, *self._start(fragment, sent, pieces))
+        pace = {}
+        if self.pacer is not None:
+            window = window_steps(fragment.index, len(self.fragments), steps)
+            seconds = self.PACE_MARGIN * window * (self._step_s or 0.0)
+            pace = dict(pieces=self.PIECES_PER_STEP * window, pacer=self.pacer, window_s=seconds)
+        self._in_flight[fragment.index] = _InFlight(sent, *self._start(fragment, sent, **pace))
 
     @torch.no_grad()
     def _receive(self, fragment: Fragment) -> None:
@@ -272,16 +329,17 @@ class StreamingSync:
             p.add_((x[offset : offset + n] - flight.sent[offset : offset + n]).view_as(p))
             offset += n
 
-    def _start(self, fragment: Fragment, flat: torch.Tensor, pieces: int) -> tuple:
+    def _start(self, fragment: Fragment, flat: torch.Tensor, **pace) -> tuple:
         """Start the exchange of ``flat`` (the fragment's weights; not modified) in the
-        background, in ``pieces``: ``(finish, paced)``; ``finish()`` waits for it and
-        returns the new global weights, ``paced`` sends the rest piece by piece."""
+        background, paced by ``pace`` (:class:`~.pacing.PacedCollective`'s ``pieces``,
+        ``pacer``, ``window_s``; none: whole): ``(finish, paced)``; ``finish()`` waits for it
+        and returns the new global weights."""
         sync, g = self.sync, self.groups
         width = flat.element_size()
         if sync.feedback is not None:
-            return self._start_compressed(fragment, flat, pieces)
+            return self._start_compressed(fragment, flat, **pace)
         if sync.replicate_pg is not None:
-            striped = StripedAllreduce(sync.group_pg, sync.replicate_pg, flat, pieces)
+            striped = StripedAllreduce(self._pg(pace), sync.replicate_pg, flat, **pace)
             sent = 2 * (g - 1) * striped.stripe * width // g
             self._count(flat.numel() * width, sent, striped.replicate_bytes)
             return (
@@ -290,7 +348,7 @@ class StreamingSync:
             )
         reduced = flat.clone()
         paced = PacedCollective(  # SUM
-            lambda a, b: sync.group_pg.allreduce([reduced[a:b]]), reduced.numel(), pieces
+            lambda a, b: self._pg(pace).allreduce([reduced[a:b]]), reduced.numel(), **pace
         )
         self._count(flat.numel() * width, 2 * (g - 1) * flat.numel() * width // g)
 
@@ -300,7 +358,7 @@ class StreamingSync:
 
         return finish, paced
 
-    def _start_compressed(self, fragment: Fragment, flat: torch.Tensor, pieces: int) -> tuple:
+    def _start_compressed(self, fragment: Fragment, flat: torch.Tensor, **pace) -> tuple:
         """The pseudo-gradient against the fragment's last global weights, compressed with the
         fragment's slice of the residual, all-gathered (not striped, as the sync's); paced
         by ranges of the payload's bytes."""
@@ -310,9 +368,9 @@ class StreamingSync:
         mine = Z.to_bytes(sync.feedback.compress(delta, start))
         gathered = [torch.empty_like(mine) for _ in range(g)]
         paced = PacedCollective(
-            lambda a, b: sync.group_pg.allgather([[x[a:b] for x in gathered]], [mine[a:b]]),
+            lambda a, b: self._pg(pace).allgather([[x[a:b] for x in gathered]], [mine[a:b]]),
             mine.numel(),
-            pieces,
+            **pace,
         )
         self._count(mine.numel(), (g - 1) * mine.numel())
 

@@ -119,6 +119,8 @@ class JobTrainer:
             self.save_final_model(Path(cfg.out, runfiles.FINAL_MODEL))
         finally:  # a live display left running would leave the terminal mid-redraw
             t.on_step = None
+            if self.streaming is not None:
+                self.streaming.close()
             if rounds_log is not None:
                 rounds_log.close()
 
