@@ -114,9 +114,12 @@ class PacedCollective:
 class Pacer:
     """A thread that issues :class:`PacedCollective` pieces evenly over each one's window,
     one collective after another in the order they were submitted (see the module docstring).
+    ``device``: the CUDA device the thread makes current (a new thread starts on device 0;
+    NCCL takes the issuing thread's current stream of the tensors' device).
     """
 
-    def __init__(self):
+    def __init__(self, device=None):
+        self._device = device
         self._cv = threading.Condition()
         self._queue: deque[tuple[int, PacedCollective, float]] = deque()
         self._submitted = 0
@@ -152,6 +155,10 @@ class Pacer:
         self._thread.join()
 
     def _run(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self._device)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._closed)

@@ -214,7 +214,7 @@ class StreamingSync:
         if pace and not overlap:
             raise ValueError("pacing spreads an overlapped sync over the round: set overlap")
         self.sync, self.overlap = sync, overlap
-        self.pacer = Pacer() if pace else None
+        self.pacer = Pacer(sync.params[0].device) if pace else None
         self._paced_pg = own_group(sync.group_pg) if pace else None
         self._step_s: float | None = None  # measured between steps (pacing's windows)
         self._last_step: float | None = None
