@@ -102,6 +102,13 @@ def run_once(
     before = net.site_bytes()
     start = time.perf_counter()
     meter = LinkMeter(net)
+    rounds = RoundClock(out / "metrics.jsonl")
+
+    def poll() -> None:
+        rounds.poll()
+        if watch:
+            watch(out)
+
     procs = []
     for site in range(net.sites):
         cmd = net.prefix(site) + [
@@ -122,7 +129,7 @@ def run_once(
         procs.append(ManagedProcess(f"site{site}", cmd, out / f"site{site}.log", env))
     try:
         with meter:
-            wait_all(procs, timeout_s=3600, watch=(lambda: watch(out)) if watch else None)
+            wait_all(procs, timeout_s=3600, watch=poll)
     finally:
         for p in procs:
             p.stop()
@@ -135,7 +142,31 @@ def run_once(
         "inter_bytes": inter,
         "intra_bytes": intra,
         "wall_s": wall,
-    } | meter.figures()
+    } | meter.figures(rounds.steady())
+
+
+def _uplink_rate(a, b) -> float:
+    """The fullest site's uplink between two samples, in bytes per second."""
+    return max(y - x for x, y in zip(a[1], b[1])) / (b[0] - a[0])
+
+
+class RoundClock:
+    """When each round of a one-job run ended (wall clock, to the polling interval): the
+    time its line appeared in ``metrics.jsonl``."""
+
+    def __init__(self, metrics: Path):
+        self.metrics, self.ends = metrics, []
+
+    def poll(self) -> None:
+        try:
+            lines = self.metrics.read_text().count("\n")
+        except FileNotFoundError:
+            return
+        self.ends += [time.time()] * (lines - len(self.ends))
+
+    def steady(self) -> tuple[float, float] | None:
+        """From the end of round 1 to the end of the round before the last (None: too few)."""
+        return (self.ends[0], self.ends[-2]) if len(self.ends) >= 3 else None
 
 
 class LinkMeter:
@@ -165,24 +196,31 @@ class LinkMeter:
         self._stop.set()
         self._thread.join()
 
-    def figures(self) -> dict:
+    def figures(self, steady: tuple[float, float] | None = None) -> dict:
+        """The peak over the run and the busy share; with ``steady`` (wall-clock start and
+        end), also the peak within it (``steady_peak_link_MBps``: without start-up and the
+        last round, whose drain sends a whole synchronous sync)."""
         s = self.samples
         if len(s) < 2:
             return {}
+        steps = [_uplink_rate(a, b) for a, b in zip(s, s[1:])]
+        busy = sum(r >= 0.5 * self.rate for r in steps) / len(steps)
+        out = {"peak_link_MBps": self._peak(s) / 1e6, "link_busy_share": busy}
+        inside = [x for x in s if steady and steady[0] <= x[0] <= steady[1]]
+        if len(inside) >= 2:
+            out["steady_peak_link_MBps"] = self._peak(inside) / 1e6
+        return out
 
-        def rate(a, b) -> float:  # the fullest site's uplink between two samples
-            return max(y - x for x, y in zip(a[1], b[1])) / (b[0] - a[0])
-
-        steps = [rate(a, b) for a, b in zip(s, s[1:])]
+    def _peak(self, s: list) -> float:
+        """The fullest window of at least ``window`` seconds among the samples ``s``."""
         peak, j = 0.0, 0
-        for i in range(len(s)):  # the fullest window of at least `window` seconds
+        for i in range(len(s)):
             while j < len(s) and s[j][0] - s[i][0] < self.window:
                 j += 1
             if j == len(s):
                 break
-            peak = max(peak, rate(s[i], s[j]))
-        busy = sum(r >= 0.5 * self.rate for r in steps) / len(steps)
-        return {"peak_link_MBps": peak / 1e6, "link_busy_share": busy}
+            peak = max(peak, _uplink_rate(s[i], s[j]))
+        return peak
 
     def during(self, windows: list[tuple[float, float]]) -> dict:
         """The link while ``windows`` (disjoint wall-clock intervals) were open: the share of
@@ -520,6 +558,7 @@ def summarise(run: dict, tokens_per_step: int) -> dict:
         "rounds": len(recs),
         "retries": run.get("retries", 0),
         "peak_link_MBps": run.get("peak_link_MBps"),
+        "steady_peak_link_MBps": run.get("steady_peak_link_MBps"),
         "link_busy_share": run.get("link_busy_share"),
         # while the streams across the link were open (streaming transport only); use per
         # direction: [site 0 -> site 1 (download), site 1 -> site 0 (upload)]
@@ -878,6 +917,7 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             "sync_bytes_per_round": med([r["sync_bytes_per_round"] for r in runs]),
             "retries": sum(r["retries"] for r in runs),
             "peak_link_MBps": med([r.get("peak_link_MBps") for r in runs]),
+            "steady_peak_link_MBps": med([r.get("steady_peak_link_MBps") for r in runs]),
             "link_busy_share": med([r.get("link_busy_share") for r in runs]),
             "exchange_busy_share": med([r.get("exchange_busy_share") for r in runs]),
             "exchange_use_down": med([(r.get("exchange_link_use") or [None])[0] for r in runs]),
@@ -927,7 +967,7 @@ def print_table(results: dict) -> None:
     print(
         f"\n{'rate':>9s} {'config':24s} {'tok/s':>8s} {'speed-up':>9s} {'predicted':>9s} "
         f"{'exchange':>8s} {'inter B':>8s} {'of limit':>8s} {'ppl=tok':>8s} {'ppl=time':>8s} "
-        f"{'link MB/s':>9s} {'busy':>6s} {'xbusy':>6s} {'up':>5s} {'down':>5s}"
+        f"{'link MB/s':>9s} {'steady':>6s} {'busy':>6s} {'xbusy':>6s} {'up':>5s} {'down':>5s}"
     )
     for rate, entries in results["rates"].items():
         for name, e in entries.items():
@@ -943,6 +983,7 @@ def print_table(results: dict) -> None:
                 _cell(e["ppl_equal_tokens"]["median"], "8.2f"),
                 _cell(e["ppl_at_baseline_time"]["median"], "8.2f"),
                 _cell(e.get("peak_link_MBps", {}).get("median"), "9.1f"),
+                _cell((e.get("steady_peak_link_MBps") or {}).get("median"), "6.1f"),
                 *(
                     _cell(_pct(e.get(key)), "5.0f", "%")
                     for key in ("link_busy_share", "exchange_busy_share")
