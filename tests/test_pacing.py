@@ -1,7 +1,7 @@
 """The pacer (runtime/pacing.py): pieces go out in order, spread over their window, one
 collective after another; a flush sends what is held at once; a failed piece stops its
-collective and is returned, not raised. (Values and the order across real ranks: the paced
-cases of tests/test_streaming_sync.py.)"""
+collective and is returned, not raised; closing issues nothing more. (Values and the order
+across real ranks: the paced cases of tests/test_streaming_sync.py.)"""
 
 from __future__ import annotations
 
@@ -97,10 +97,13 @@ def test_a_failed_piece_stops_its_collective_and_is_returned():
         pacer.close()
 
 
-def test_closing_sends_what_is_held_and_refuses_more():
+def test_closing_issues_nothing_more_and_refuses_more():
     issued, pacer = Issued(), Pacer()
     paced = PacedCollective(issued.issue("a"), 8, pieces=4, pacer=pacer, window_s=600.0)
-    pacer.close()
-    assert paced.left == 0 and len(issued.of("a")) == 4
+    until(lambda: issued.of("a"))
+    pacer.close()  # a failed run: no more collectives from the thread
+    assert issued.of("a") == [(0, 2)] and paced.left == 3
+    assert paced.finish(lambda work: None) is None  # the caller's own finish still can
+    assert len(issued.of("a")) == 4
     with pytest.raises(RuntimeError, match="closed"):
         PacedCollective(issued.issue("b"), 8, pieces=2, pacer=pacer, window_s=1.0)

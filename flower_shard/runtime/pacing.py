@@ -147,10 +147,11 @@ class Pacer:
             self._cv.wait_for(lambda: all(p is not paced for _, p, _ in self._queue))
 
     def close(self) -> None:
-        """Issue everything held at once and stop the thread."""
+        """Stop the thread; what it still holds is not issued (a run that drained holds
+        nothing; one that failed must not start more collectives with peers that may be
+        gone): a :meth:`PacedCollective.finish` after it issues its own rest itself."""
         with self._cv:
             self._closed = True
-            self._urgent = self._submitted
             self._cv.notify_all()
         self._thread.join()
 
@@ -166,10 +167,14 @@ class Pacer:
                     return
                 seq, paced, window = self._queue[0]
             start, interval, issued = time.monotonic(), window / max(1, paced.left), 0
-            while paced.advance():
+            while not self._closed and paced.advance():
                 issued += 1
                 self._hold(seq, start + issued * interval)
             with self._cv:
+                if self._closed:
+                    self._queue.clear()
+                    self._cv.notify_all()
+                    return
                 self._queue.popleft()
                 self._cv.notify_all()
 
@@ -177,6 +182,6 @@ class Pacer:
         """Wait until ``deadline`` (monotonic), or until collective ``seq`` is urgent."""
         with self._cv:
             self._cv.wait_for(
-                lambda: self._urgent >= seq or time.monotonic() >= deadline,
+                lambda: self._urgent >= seq or self._closed or time.monotonic() >= deadline,
                 timeout=max(0.0, deadline - time.monotonic()),
             )
