@@ -578,7 +578,7 @@ def ppl_at(evals: list, *, seconds: float | None = None, tokens: int | None = No
     return done[-1] if done else None
 
 
-def predicted_speedup(
+def predicted(
     params: int,
     compute_s: float,
     tokens: int,
@@ -592,11 +592,12 @@ def predicted_speedup(
     transport: str = P.COLLECTIVE,
     pipelined: bool = True,
     paced: bool = False,
-) -> float:
-    """The cost model's speed-up over FSDP for one configuration (:func:`variant`'s terms). A
-    streaming run also pays Flower's control plane each round (measured apart by
-    bench/control_plane.py); the collective rows are one torchrun job, without it. Pacing
-    is priced as the overlap it paces: it moves the same bytes within the same window."""
+) -> dict:
+    """The cost model's speed-up over FSDP for one configuration (:func:`variant`'s terms)
+    and the site link's steady peak rate in MB/s (``peak_MBps``: the link's rate unless the
+    exchange is paced). A streaming run also pays Flower's control plane each round
+    (measured apart by bench/control_plane.py); the collective rows are one torchrun job,
+    without it. Pacing is priced as the overlap it paces: the same bytes in the same window."""
     streaming = transport == P.STREAMING
     net = Network(
         ranks_per_node=k,
@@ -626,11 +627,16 @@ def predicted_speedup(
         local_steps=t,
         outer_overlap=overlap,
         outer_fragments=fragments,
+        outer_pace=paced,
         transport=transport,
         pipelined=pipelined,
     )
     base = predict(w, Layout(2 * k, 1, sharding, r), net)
-    return predict(w, fl, net).tokens_per_s / base.tokens_per_s
+    got = predict(w, fl, net)
+    return {
+        "speedup": got.tokens_per_s / base.tokens_per_s,
+        "peak_MBps": got.extra["peak_link_share"] * rate_mbit / 8,
+    }
 
 
 def med(values: list[float]) -> dict:
@@ -874,7 +880,7 @@ def repredict(path: Path) -> None:
             compute = e.get("compute_s_per_step") or collective_twin(name, entries)
             if not priced(name) or compute is None:
                 continue
-            e["predicted_speedup"] = predicted_speedup(
+            model = predicted(
                 results["params"],
                 compute,
                 c["batch_size"] * c["seq_len"],
@@ -884,6 +890,8 @@ def repredict(path: Path) -> None:
                 name.startswith("fl-hsdp"),
                 **variant(name),
             )
+            e["predicted_speedup"] = model["speedup"]
+            e["predicted_steady_peak_MBps"] = model["peak_MBps"]
     path.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     if path.with_suffix(".png").exists():
@@ -932,9 +940,9 @@ def aggregate(samples: dict, params: int, tokens_per_step: int, rate: float, k: 
             compression = v["compression"]
             compute = statistics.median(r["compute_s_per_step"] for r in runs)
             entry["compute_s_per_step"] = compute  # the model's input: --repredict reuses it
-            entry["predicted_speedup"] = predicted_speedup(
-                params, compute, tokens_per_step, rate, k, t, kind == "hsdp", **v
-            )
+            model = predicted(params, compute, tokens_per_step, rate, k, t, kind == "hsdp", **v)
+            entry["predicted_speedup"] = model["speedup"]
+            entry["predicted_steady_peak_MBps"] = model["peak_MBps"]
             if not deployed_transport(name):
                 # Every rank's outer-sync bytes cross the site link (one group per site).
                 w = Workload(

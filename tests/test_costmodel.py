@@ -123,6 +123,25 @@ def test_overlap_hides_the_exchange_up_to_the_next_rounds_steps_and_fragments_sp
     assert frag.inter_s * 4 == pytest.approx(10.0 + 4 * 2 * 0.01)
 
 
+def test_pacing_spreads_the_exchange_over_its_window_and_lowers_the_peak_by_hand():
+    net = Network(ranks_per_node=4, intra_node_bw=1000.0, inter_node_bw=100.0, inter_node_lat=0)
+    w = Workload(params=1000, compute_s=1.0, tokens_per_step=10)
+    ovl = dict(world_size=8, groups=2, local_steps=4, outer_overlap=True)
+    sent = predict(w, Layout(**ovl), net)
+    paced = predict(w, Layout(**ovl, outer_pace=True), net)
+    # Each rank's 1000 bytes take 10 s at 100 B/s; spread over 0.8 of 4 steps of 10 s: 31%.
+    assert sent.extra["peak_link_share"] == 1.0
+    assert paced.extra["peak_link_share"] == pytest.approx(10.0 / (0.8 * 4 * sent.step_s))
+    assert paced.step_s == sent.step_s  # the same bytes in the same window: the same time
+    # With T = 1 the window is shorter than the exchange: at the link's rate after all.
+    one = dict(ovl, local_steps=1)
+    assert predict(w, Layout(**one, outer_pace=True), net).extra["peak_link_share"] == 1.0
+    assert predict(w, Layout(8, 1), net).extra["peak_link_share"] == 0.0  # no outer sync
+    for bad in (dict(ovl, outer_overlap=False), dict(ovl, transport=P.STREAMING)):
+        with pytest.raises(ConfigError, match="pacing spreads an overlapped sync"):
+            Layout(**bad, outer_pace=True)
+
+
 def sites_of_4() -> Network:
     """Sites of 4 ranks (one node each) joined by a 100 B/s link per site, everything inside a
     site free."""

@@ -36,6 +36,11 @@ round's exchange runs behind the next round's T steps: ``hidden = min(exchange, 
 C_intra))`` per round, and only the residual ``exchange - hidden`` holds the steps up. The model
 assumes the exchange does not slow the steps down (on GPUs NCCL runs on its own stream; on CPU
 gloo's thread competes with compute for cores, which the model does not price).
+``extra["peak_link_share"]`` is the peak rate of the cross-group link as a share of its
+bandwidth: 1 for an exchange sent at once (each burst goes at the link's rate, whatever F);
+paced (``Layout.outer_pace``, :mod:`flower_shard.runtime.pacing`), the round's exchange spread
+over ``WINDOW_SHARE`` of its T steps, ``min(1, exchange / (WINDOW_SHARE x T x step))``: the
+same time is priced for pacing as for the overlap it paces.
 
 The streaming transport (``Layout.transport``, :mod:`flower_shard.dataplane`) is priced as a
 hub: every rank streams its shard's update to the aggregators and pulls the new values back.
@@ -58,6 +63,7 @@ from dataclasses import dataclass, field
 from flower_shard import protocol as P
 from flower_shard.config import choices as C
 from flower_shard.errors import ConfigError
+from flower_shard.runtime.pacing import WINDOW_SHARE
 from flower_shard.runtime.topology import Topology
 
 PRICED_TRANSPORTS = (P.COLLECTIVE, P.STREAMING)
@@ -170,6 +176,8 @@ class Layout(Topology):
     """F: the outer sync in F fragments staggered over the round."""
     outer_overlap: bool = False
     """The outer sync runs behind the next round's steps (one sync of delay)."""
+    outer_pace: bool = False
+    """The overlapped sync spread over its window instead of sent at once."""
     transport: str = P.COLLECTIVE
     """How groups exchange: ``collective`` (all-reduce between groups) or ``streaming``
     (through the aggregators: see the module docstring)."""
@@ -181,6 +189,11 @@ class Layout(Topology):
         if self.transport not in PRICED_TRANSPORTS:
             raise ConfigError(
                 f"the cost model prices transports {PRICED_TRANSPORTS}, not {self.transport!r}"
+            )
+        if self.outer_pace and (not self.outer_overlap or self.transport != P.COLLECTIVE):
+            raise ConfigError(
+                "pacing spreads an overlapped sync of the collective transport: set "
+                "outer_overlap = True and transport = 'collective', or outer_pace = False"
             )
         if self.transport == P.STREAMING and self.outer_fragments > 1:
             raise ConfigError(
@@ -318,6 +331,9 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
     inter = (exchange - hidden + control) / lay.local_steps
     step = w.compute_s + intra + inter
     burst = lay.group_size * outer_sync_bytes(w, lay) / f  # one group's bytes per fragment sync
+    peak = 1.0 if exchange > 0 else 0.0
+    if lay.outer_pace and exchange > 0:
+        peak = min(1.0, outer_sync_bytes(w, lay) / bw_g / (WINDOW_SHARE * lay.local_steps * step))
     return Prediction(
         step_s=step,
         intra_s=intra,
@@ -325,7 +341,13 @@ def predict(w: Workload, lay: Layout, net: Network) -> Prediction:
         intra_bytes=sum(b.values()) + gather / lay.local_steps,
         inter_bytes=outer_sync_bytes(w, lay) / lay.local_steps,
         tokens_per_s=lay.world_size * w.tokens_per_step / step,
-        extra={"bytes": b, "exchange_s": exchange, "hidden_s": hidden, "burst_bytes": burst},
+        extra={
+            "bytes": b,
+            "exchange_s": exchange,
+            "hidden_s": hidden,
+            "burst_bytes": burst,
+            "peak_link_share": peak,
+        },
     )
 
 

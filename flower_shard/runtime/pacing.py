@@ -35,6 +35,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+WINDOW_SHARE = 0.8
+"""The share of its window a paced exchange is spread over (its last piece must land in time:
+the cost model prices the paced peak rate with it too)."""
+
 
 def piece_bounds(total: int, pieces: int) -> list[tuple[int, int]]:
     """``pieces`` consecutive ranges that cover ``[0, total)``, sizes differing by at most one

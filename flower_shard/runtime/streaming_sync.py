@@ -83,7 +83,7 @@ from flower_shard.runtime.outer_sync import (
     _unflatten_into,
     local_view,
 )
-from flower_shard.runtime.pacing import PacedCollective, Pacer
+from flower_shard.runtime.pacing import WINDOW_SHARE, PacedCollective, Pacer
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,6 @@ class StreamingSync:
 
     PIECES_PER_STEP = 8
     """How finely a paced exchange is cut: pieces per step of its window."""
-    PACE_MARGIN = 0.8
-    """The share of the window the pieces are spread over (the last must land in time)."""
 
     def __init__(
         self,
@@ -315,7 +313,7 @@ class StreamingSync:
         pace = {}
         if self.pacer is not None:
             window = window_steps(fragment.index, len(self.fragments), steps)
-            seconds = self.PACE_MARGIN * window * (self._step_s or 0.0)
+            seconds = WINDOW_SHARE * window * (self._step_s or 0.0)
             pace = dict(pieces=self.PIECES_PER_STEP * window, pacer=self.pacer, window_s=seconds)
         self._in_flight[fragment.index] = _InFlight(sent, *self._start(fragment, sent, **pace))
 
