@@ -160,6 +160,15 @@ class Pacer:
         self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._issue_all()
+        finally:  # whatever ended the thread, a flush must not wait for it for ever
+            with self._cv:
+                self._closed = True
+                self._queue.clear()
+                self._cv.notify_all()
+
+    def _issue_all(self) -> None:
         if self._device is not None and self._device.type == "cuda":
             import torch
 
@@ -176,8 +185,6 @@ class Pacer:
                 self._hold(seq, start + issued * interval)
             with self._cv:
                 if self._closed:
-                    self._queue.clear()
-                    self._cv.notify_all()
                     return
                 self._queue.popleft()
                 self._cv.notify_all()
